@@ -1,0 +1,53 @@
+"""Exceptions edge raises, and the exit codes the CLI turns them into.
+
+A refusal is not an exception: a plan that says no is a value
+(:class:`edge_core.plan.Plan` with ``refusals``). Exceptions here are for input
+the user must fix (usage, unreadable artifacts) and for edge's own bugs.
+"""
+
+from __future__ import annotations
+
+#: Exit codes (SPEC section 11).
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_REFUSED = 2
+EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130
+EXIT_USAGE = 64
+
+
+class EdgeError(Exception):
+    """Base class: the message is for a person and names what to do."""
+
+    exit_code = EXIT_INTERNAL
+
+
+class UsageError(EdgeError):
+    """The command line or an input file the user named is wrong."""
+
+    exit_code = EXIT_USAGE
+
+
+class ArtifactError(EdgeError):
+    """A checkpoint or graph could not be read safely.
+
+    ``code`` is the refusal code the planner reports (``config_unreadable`` or
+    ``artifact_invalid``); ``remedy`` says what to do.
+    """
+
+    exit_code = EXIT_REFUSED
+
+    def __init__(self, code: str, message: str, remedy: str, path: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.remedy = remedy
+        self.path = path
+
+
+class PluginError(EdgeError):
+    """A backend misbehaved while serving a hook (not while probing: that is a status)."""
+
+
+class StageError(EdgeError):
+    """A running stage failed; the message names the backend and device."""

