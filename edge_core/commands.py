@@ -1,10 +1,158 @@
-"""``edge plan``, ``edge run``, ``edge accept`` and ``edge parity``: the commands that need a checkpoint."""
+"""``edge plan``, ``edge run``, ``edge accept`` and ``edge parity``: the commands that take a model.
+
+``plan`` never imports a runtime. ``run``, ``accept`` and ``parity`` plan
+first and refuse (exit 2) before anything loads.
+"""
 
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
 from typing import Any, Callable
+
+from .errors import EXIT_OK, EXIT_REFUSED, UsageError
+
+#: The bundled demo checkpoints (random weights; ``scripts/make_demo_checkpoints.py``).
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+DEMO_MODEL = DEMO_DIR / "tiny-llama"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _planning_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="DIR",
+                        help=f"checkpoint directory or ONNX graph (default: the bundled demo, {DEMO_MODEL.name})")
+    parser.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                        help="context length to budget for (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=1, metavar="N",
+                        help="sequences decoded at once (default 1)")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
+                        help="tokens per forward pass (default min(max-model-len, 2048))")
+    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                        help="KV cache dtype (auto = the model's dtype)")
+    parser.add_argument("--devices", metavar="FILE",
+                        help="plan against a device list saved from `edge devices --json` on another machine")
+    parser.add_argument("--digest-weights", action="store_true",
+                        help="also hash every weight byte into the manifest (slow for big checkpoints)")
 
 
 def add_stage_commands(sub: Any, common: Callable[..., None], mask_option: Callable[..., None]) -> None:
-    pass
+    plan = sub.add_parser(
+        "plan", help="decide which device can run a model, with how many bytes, or why none can",
+        description=("Read the checkpoint's config and safetensors headers (no weight is loaded), walk every "
+                     "device through the gates, and print the plan: ADMITTED with every reservation, or "
+                     "REFUSED with a code, a message and a remedy for each device. Exit 0 admitted, 2 refused."),
+    )
+    common(plan)
+    mask_option(plan)
+    _planning_options(plan)
+    plan.set_defaults(handler=cmd_plan)
+
+    try:
+        from .run_commands import add_run_commands
+    except ImportError:  # the stage commands arrive with the stage runtime
+        return
+    add_run_commands(sub, common, mask_option, _planning_options)
+
+
+def session_from(args: argparse.Namespace) -> Any:
+    from .plan import SessionSpec
+
+    return SessionSpec(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype)
+
+
+def plan_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Plan for ``args.model`` against this interpreter's devices, or a saved device list."""
+    from .cli import _mask, discover
+    from .devices import apply_mask, load_device_list
+    from .host import HostFacts
+    from .plan import make_plan
+
+    model = args.model or str(DEMO_MODEL)
+    if args.devices:
+        try:
+            devices, host_doc = load_device_list(args.devices)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        devices = apply_mask(devices, _mask(args))
+        host = HostFacts.from_dict(host_doc) if host_doc else None
+        registry, source = None, f"file:{args.devices}"
+    else:
+        host, registry, devices = discover(args)
+        source = "probed"
+    plan = make_plan(model, session=session_from(args), devices=devices, host=host, registry=registry,
+                     devices_source=source, digest_weights=args.digest_weights)
+    return plan, registry
+
+
+def mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.0f} MiB"
+
+
+def print_plan(plan: Any, elapsed_s: float) -> None:
+    verdict = "ADMITTED" if plan.admitted else "REFUSED"
+    manifest = plan.manifest
+    what = f"{manifest.architecture or manifest.model_type} {manifest.weight_format} {mib(manifest.weight_bytes)}" \
+        if manifest is not None else plan.model_path
+    where = f" on {plan.selected_device.device_id} ({plan.backend})" if plan.admitted else ""
+    print(f"{verdict}{where}: {plan.model_path}")
+    print(f"  model     {what}" + (f"  [artifact {manifest.artifact_id}]" if manifest is not None else ""))
+    if plan.devices_source != "probed":
+        print(f"  devices   planned against {plan.devices_source.removeprefix('file:')} (not this machine)")
+    for refusal in plan.refusals:
+        print(f"  refused   [{refusal.code}] {refusal.device_id or '-'}: {refusal.message}")
+        print(f"            remedy: {refusal.remedy}")
+    if plan.admitted:
+        print(f"  session   max_model_len {plan.session.max_model_len}, max_num_seqs {plan.session.max_num_seqs}, "
+              f"max_num_batched_tokens {plan.session.max_num_batched_tokens}")
+        print(f"  {'purpose':<22} {'bytes':>12}  {'pool':<9} {'lifetime':<16} ev")
+        for term in plan.reservations:
+            mark = "  (headroom)" if term.headroom else ""
+            print(f"  {term.purpose:<22} {mib(term.bytes):>12}  {term.pool:<9} {term.lifetime:<16} {term.evidence}{mark}")
+        peak = plan.peak
+        print(f"  predicted peak {mib(peak.predicted_bytes)} (max of load path {mib(peak.load_path_bytes)} and "
+              f"steady state {mib(peak.steady_state_bytes)}) + headroom {mib(peak.headroom_bytes)} = "
+              f"{mib(peak.admission_bytes)} of {mib(plan.capacity_bytes)}")
+    if plan.kv is not None:
+        kv = plan.kv
+        counts = ", ".join(f"{n} {kind}" for kind, n in kv.layer_counts.items() if n)
+        print(f"  kv        {mib(kv.bytes_vllm)} reserved (vLLM rule); flat {mib(kv.bytes_flat)}, by layer type "
+              f"{mib(kv.bytes_by_layer_type)}; {kv.bytes_per_token_flat:,} B/token flat; layers: {counts}")
+    if plan.engine_kwargs:
+        shown = ", ".join(f"{k}={v}" for k, v in plan.engine_kwargs.items() if k != "model")
+        print(f"  engine    {shown}")
+    for verdict_row in plan.verdicts:
+        if not verdict_row.selected and (plan.admitted or verdict_row.note):
+            why = verdict_row.note or "; ".join(f"[{r.code}] {r.message}" for r in verdict_row.refusals)
+            print(f"  not used  {verdict_row.device_id}: {why}")
+    for fallback in plan.fallbacks:
+        print(f"  fallback  {fallback['kind']} {fallback.get('device_id', '')} "
+              f"{fallback.get('max_model_len', '')} ({fallback['note']})".replace("  ", " "))
+    for note in plan.notes:
+        print(f"  note      {note}")
+    print(f"  decided in {elapsed_s * 1000:.0f} ms, nothing loaded")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .cli import emit_json
+
+    started = time.perf_counter()
+    plan, _ = plan_from_args(args)
+    elapsed = time.perf_counter() - started
+    if args.json:
+        emit_json({**plan.to_dict(), "decision_time_s": round(elapsed, 4)}, "plan")
+    else:
+        print_plan(plan, elapsed)
+    return EXIT_OK if plan.admitted else EXIT_REFUSED
+
+

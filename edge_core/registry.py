@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import pluggy
 
@@ -39,6 +39,8 @@ BLOCK_ENV = "EDGE_BLOCK_PLUGINS"
 PRIORITY_ENV = "EDGE_PLUGIN_PRIORITY"
 #: Set to 1 to print every hook call, its arguments and its result to stderr.
 TRACE_ENV = "EDGE_TRACE_HOOKS"
+#: Seconds before a silent probe is reported as timed out (default PROBE_TIMEOUT_S).
+PROBE_TIMEOUT_ENV = "EDGE_PROBE_TIMEOUT_S"
 
 #: A probe that has not answered after this many seconds is reported as timed
 #: out and the others still answer. Real probes take milliseconds (NVML init is
@@ -138,7 +140,7 @@ class Registry:
         allow: Iterable[str] | None = None,
         block: Iterable[str] | None = None,
         priorities: Mapping[str, int] | None = None,
-        probe_timeout_s: float = PROBE_TIMEOUT_S,
+        probe_timeout_s: float | None = None,
         trace: bool | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
@@ -147,6 +149,12 @@ class Registry:
         self.allow = list(allow) if allow is not None else _split(env.get(ALLOW_ENV)) or None
         self.block = set(_split(env.get(BLOCK_ENV))) | set(block or ())
         self.priorities = {**_parse_priorities(env.get(PRIORITY_ENV)), **dict(priorities or {})}
+        if probe_timeout_s is None:
+            try:
+                probe_timeout_s = float(env.get(PROBE_TIMEOUT_ENV) or PROBE_TIMEOUT_S)
+            except ValueError:
+                log.warning("ignoring %s=%r: not a number", PROBE_TIMEOUT_ENV, env.get(PROBE_TIMEOUT_ENV))
+                probe_timeout_s = PROBE_TIMEOUT_S
         self.probe_timeout_s = probe_timeout_s
         self.records: dict[str, PluginRecord] = {}
         #: Problems that are not one plugin's status (unknown names in lists, id conflicts).
@@ -249,8 +257,19 @@ class Registry:
         except Exception as exc:  # pluggy.PluginValidationError and friends
             record.status, record.reason = INVALID, f"hook validation failed: {exc}"
             return
+        callers = self.pm.get_hookcallers(plugin) or []
+        unknown = sorted(caller.name for caller in callers if caller.spec is None)
+        if unknown:
+            # pluggy accepts hooks it has no spec for (a typo is silently never called).
+            self.pm.unregister(plugin)
+            record.status = INVALID
+            record.reason = (
+                f"implements {', '.join(unknown)}, which edge API {hookspecs.API_VERSION} does not "
+                f"define; hooks are {', '.join(hookspecs.BROADCAST_HOOKS + hookspecs.OWNER_HOOKS)}"
+            )
+            return
         record.plugin = plugin
-        record.hooks = tuple(sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or ()))
+        record.hooks = tuple(sorted(caller.name for caller in callers))
 
     # -- probing ---------------------------------------------------------------
 
@@ -427,5 +446,3 @@ def install_hint() -> str:
         "each in its own virtual environment"
     )
 
-
-Factory = Callable[[], Registry]

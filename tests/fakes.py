@@ -1,0 +1,107 @@
+"""Fakes injected at edge's boundaries: a /proc + /sys tree, entry points, plugin modules."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+GIB = 1 << 30
+
+
+def _kb(value: int) -> int:
+    return value // 1024
+
+
+def write_host_tree(
+    root: Path,
+    *,
+    mem_total: int = 32 * GIB,
+    mem_available: int = 28 * GIB,
+    nodes: list[dict[str, int]] | None = None,
+    cgroup_v2_limit: int | str | None = None,
+    cgroup_v2_usage: int = 0,
+    cpu_model: str = "AMD Ryzen AI 9 HX 370",
+    flags: str = "fpu sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16",
+    cores: int = 4,
+    osrelease: str = "6.8.0-generic",
+) -> Path:
+    """Write the files edge reads under a fake root.
+
+    ``nodes`` is a list of {"total", "free", "active_file", "inactive_file",
+    "sreclaimable", "first_cpu", "cpus"} per NUMA node.
+    """
+    proc = root / "proc"
+    (proc / "sys/kernel").mkdir(parents=True, exist_ok=True)
+    (proc / "self").mkdir(parents=True, exist_ok=True)
+    (proc / "meminfo").write_text(
+        f"MemTotal:       {_kb(mem_total)} kB\nMemFree:        {_kb(mem_available) // 2} kB\n"
+        f"MemAvailable:   {_kb(mem_available)} kB\n"
+    )
+    blocks = []
+    for cpu in range(cores):
+        blocks.append(
+            f"processor\t: {cpu}\nvendor_id\t: AuthenticAMD\nmodel name\t: {cpu_model}\n"
+            f"physical id\t: 0\ncore id\t\t: {cpu}\nflags\t\t: {flags}\n"
+        )
+    (proc / "cpuinfo").write_text("\n".join(blocks) + "\n")
+    (proc / "sys/kernel/osrelease").write_text(osrelease + "\n")
+    (proc / "self/cgroup").write_text("0::/\n")
+    cgroup = root / "sys/fs/cgroup"
+    cgroup.mkdir(parents=True, exist_ok=True)
+    if cgroup_v2_limit is not None:
+        (cgroup / "memory.max").write_text(f"{cgroup_v2_limit}\n")
+        (cgroup / "memory.current").write_text(f"{cgroup_v2_usage}\n")
+    node_base = root / "sys/devices/system/node"
+    node_base.mkdir(parents=True, exist_ok=True)
+    next_cpu = 0
+    for index, node in enumerate(nodes or []):
+        directory = node_base / f"node{index}"
+        directory.mkdir()
+        lines = [
+            ("MemTotal", node["total"]), ("MemFree", node["free"]), ("MemUsed", node["total"] - node["free"]),
+            ("Active(file)", node.get("active_file", 0)), ("Inactive(file)", node.get("inactive_file", 0)),
+            ("SReclaimable", node.get("sreclaimable", 0)),
+        ]
+        (directory / "meminfo").write_text(
+            "".join(f"Node {index} {key}:{_kb(value):>16} kB\n" for key, value in lines)
+        )
+        count = node.get("cpus", cores // max(len(nodes or [1]), 1))
+        (directory / "cpulist").write_text(f"{next_cpu}-{next_cpu + count - 1}\n")
+        next_cpu += count
+    return root
+
+
+@dataclass
+class FakeDist:
+    name: str
+    version: str = "0.0.1"
+
+
+class FakeEntryPoint:
+    """Stands in for an importlib.metadata entry point; ``load`` runs the given loader."""
+
+    def __init__(self, name: str, loader: Callable[[], Any], dist: str | None = None, value: str | None = None):
+        self.name = name
+        self.value = value or f"fake_{name}"
+        self.dist = FakeDist(dist or f"edge-{name}")
+        self._loader = loader
+        self.loads = 0
+
+    def load(self) -> Any:
+        self.loads += 1
+        return self._loader()
+
+
+def plugin_module(name: str, api_version: Any = 1, **functions: Callable[..., Any]) -> types.ModuleType:
+    """A throwaway plugin module whose hookimpls are the given functions."""
+    from edge_core import hookimpl
+
+    module = types.ModuleType(name)
+    if api_version is not None:
+        module.EDGE_API_VERSION = api_version
+    for hook, function in functions.items():
+        function.__name__ = hook
+        setattr(module, hook, hookimpl(function))
+    return module

@@ -1,0 +1,1 @@
+"""Deliberately broken backends, one per module."""

