@@ -73,7 +73,7 @@ def session_from(args: argparse.Namespace) -> Any:
 
 def plan_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """Plan for ``args.model`` against this interpreter's devices, or a saved device list."""
-    from .cli import _mask, discover
+    from .cli import _mask, _registry, discover
     from .devices import apply_mask, load_device_list
     from .host import HostFacts
     from .plan import make_plan
@@ -86,7 +86,11 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
             raise UsageError(str(exc)) from None
         devices = apply_mask(devices, _mask(args))
         host = HostFacts.from_dict(host_doc) if host_doc else None
-        registry, source = None, f"file:{args.devices}"
+        # Backends installed here still apply their own gates and memory terms to
+        # the devices they own in the captured list; the others are planned from
+        # the list alone (the plan notes which).
+        registry, source = _registry(args), f"file:{args.devices}"
+        registry.load()
     else:
         host, registry, devices = discover(args)
         source = "probed"

@@ -2,7 +2,7 @@
 
 Six hooks are fixed by the product (``probe_devices``, ``weight_formats``,
 ``reserve_memory``, ``start_stage``, ``stream``, ``cancel``); three more earn
-their place (``gate_plan``, ``stop_stage``, ``verify_device``).
+their place (``format_remedy``, ``gate_plan``, ``stop_stage``, ``verify_device``).
 
 Dispatch comes in two shapes:
 
@@ -68,6 +68,17 @@ def weight_formats(device: "Device") -> "list[str] | None":
     (``onnx:a16w8``, ``pt:fp16``, ...). Owning backend only. The registry falls
     back to ``device.weight_formats`` from the probe when a plugin does not
     implement this hook.
+    """
+
+
+@hookspec(firstresult=True)
+def format_remedy(device: "Device", weight_format: str) -> "str | None":
+    """Return what to do when ``device`` cannot execute ``weight_format``.
+
+    Name the builds of the model that would run on this device (the closest
+    formats it executes), a device that would run this one, or another venv.
+    Called only after the format gate refused; never applied by edge. Return
+    None to let the core compose a generic remedy. Owning backend only.
     """
 
 
@@ -157,6 +168,6 @@ def verify_device(device: "Device") -> "Device | None":
 #: Hooks answered by every plugin; all others go to the owning backend alone.
 BROADCAST_HOOKS = ("probe_devices",)
 OWNER_HOOKS = (
-    "weight_formats", "gate_plan", "reserve_memory", "start_stage", "stream",
+    "weight_formats", "format_remedy", "gate_plan", "reserve_memory", "start_stage", "stream",
     "cancel", "stop_stage", "verify_device",
 )

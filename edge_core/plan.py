@@ -318,11 +318,11 @@ def engine_kwargs_for(manifest: Any, session: SessionSpec, device: Any, kv: Any,
     return kwargs
 
 
-def _format_refusal(device: Any, manifest: Any, formats: list[str]) -> Refusal:
+def _format_refusal(device: Any, manifest: Any, formats: list[str], backend_remedy: str | None) -> Refusal:
     fmt = manifest.weight_format
     elsewhere = FORMATS_ELSEWHERE.get(fmt, ())
     builds = ", ".join(f for f in formats if not f.startswith(("onnx", "pt:"))) or ", ".join(formats) or "none"
-    remedy = f"{device.device_id} executes {builds}: use a build of this model in one of those formats"
+    remedy = backend_remedy or f"{device.device_id} executes {builds}: use a build of this model in one of those formats"
     if elsewhere:
         remedy += f"; {fmt} runs on {' or '.join(elsewhere)} (pip install edge-core <backend> in its own venv)"
     return Refusal(
@@ -499,7 +499,8 @@ def _plan_on_device(device: Any, manifest: Any, session: SessionSpec, host: Any,
                      "planned from the device list alone, without the backend's own gates and memory terms")
     formats = (registry.call_owner(device, "weight_formats") if owned else None) or list(device.weight_formats)
     if manifest.weight_format not in formats:
-        return {"refusals": [_format_refusal(device, manifest, formats)]}
+        remedy = registry.call_owner(device, "format_remedy", weight_format=manifest.weight_format) if owned else None
+        return {"refusals": [_format_refusal(device, manifest, formats, remedy)]}
     block = device.extras.get("kv_block_size") if isinstance(device.extras, dict) else None
     kv = estimate_kv(manifest.config, max_model_len=session.max_model_len, max_num_seqs=session.max_num_seqs,
                      max_num_batched_tokens=session.max_num_batched_tokens, kv_dtype=session.kv_dtype,

@@ -257,3 +257,15 @@ def test_this_machine_is_not_refused_on_its_idle_node_figure(monkeypatch, tmp_pa
     plan = plan_with_cpu(monkeypatch, tmp_path, host, max_model_len=tokens)
     assert plan.kv.bytes_vllm > node.reclaimable_bytes
     assert plan.admitted, [r.message for r in plan.refusals]
+
+
+def test_installed_backend_supplies_its_own_remedy_for_a_captured_device_list(llama8b_int8):
+    edge_cuda = pytest.importorskip("edge_cuda")
+    registry = Registry([], environ={})
+    registry.register(edge_cuda, "cuda", distribution="edge-cuda")
+    devices, host_doc = load_device_list(str(DATA / "devices-rtx5090-laptop.json"))
+    plan = make_plan(str(llama8b_int8), session=SessionSpec(max_model_len=4096), devices=devices,
+                     host=HostFacts.from_dict(host_doc), registry=registry, devices_source="file:x")
+    [refusal] = [r for r in plan.refusals if r.device_id == "cuda:0"]
+    assert refusal.code == "weight_format_unsupported"
+    assert "fp8 (compressed-tensors:fp8 / fp8)" in refusal.remedy and "edge-cpu" in refusal.remedy

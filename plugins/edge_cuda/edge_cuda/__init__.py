@@ -1,0 +1,103 @@
+"""edge-cuda: NVIDIA GPUs found through NVML and driven by vLLM's CUDA build.
+
+Registered in the ``edge.backends`` entry-point group as ``cuda``. Every GPU
+this process can see is reported as ``cuda:N`` with its VRAM, free bytes and
+compute capability; it is runnable when the CUDA build of vLLM is installed in
+this interpreter. The formats a GPU executes follow from its compute
+capability (``_capability.py``), so int8 W8A8 is refused on Blackwell before
+anything is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edge_core import hookimpl
+
+from . import _capability, _memory, _probe
+
+EDGE_API_VERSION = 1
+
+#: Why the last probe found no devices (no NVML, no driver, no GPU visible), or
+#: None. The registry reads it to explain an empty plugin row.
+last_probe_note: str | None = None
+
+__all__ = [
+    "EDGE_API_VERSION",
+    "cancel",
+    "format_remedy",
+    "gate_plan",
+    "last_probe_note",
+    "probe_devices",
+    "reserve_memory",
+    "start_stage",
+    "stop_stage",
+    "stream",
+    "weight_formats",
+]
+
+
+@hookimpl
+def probe_devices(host: Any) -> list:
+    global last_probe_note
+    devices, last_probe_note = _probe.probe(host)
+    return devices
+
+
+@hookimpl
+def weight_formats(device: Any) -> list[str] | None:
+    if not _capability.owns(device):
+        return None
+    return list(_capability.device_formats(device))
+
+
+@hookimpl
+def gate_plan(device: Any, manifest: Any, session: Any, host: Any) -> list | None:
+    if not _capability.owns(device):
+        return None
+    return _capability.gate(device, manifest)
+
+
+@hookimpl
+def format_remedy(device: Any, weight_format: str) -> str | None:
+    if not _capability.owns(device):
+        return None
+    return _capability.format_refusal_remedy(device, weight_format)
+
+
+@hookimpl
+def reserve_memory(device: Any, manifest: Any, session: Any, host: Any) -> list | None:
+    if not _capability.owns(device):
+        return None
+    return _memory.reservations(session)
+
+
+# Stages run on edge-core's vLLM stage runtime, shared with edge-cpu; it is
+# imported only when a stage starts.
+
+@hookimpl
+def start_stage(device: Any, plan: Any) -> Any:
+    from edge_core import vllm_stage
+
+    return vllm_stage.start(device, plan)
+
+
+@hookimpl
+def stream(stage: Any, request: Any) -> Any:
+    from edge_core import vllm_stage
+
+    return vllm_stage.stream(stage, request)
+
+
+@hookimpl
+def cancel(stage: Any, request_id: str) -> bool:
+    from edge_core import vllm_stage
+
+    return vllm_stage.cancel(stage, request_id)
+
+
+@hookimpl
+def stop_stage(stage: Any) -> bool:
+    from edge_core import vllm_stage
+
+    return vllm_stage.stop(stage)

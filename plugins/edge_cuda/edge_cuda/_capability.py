@@ -1,0 +1,194 @@
+"""What an NVIDIA GPU of a given compute capability can execute under vLLM's CUDA build.
+
+The answers are rules keyed on the SM number (``major * 10 + minor``: sm_75 is
+75, sm_120 is 120), read from vLLM 0.32's own gates so that a checkpoint is
+refused before load instead of failing in its first forward pass. Each rule
+cites where its numbers come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from edge_core.devices import Device
+from edge_core.plan import Refusal
+
+BACKEND = "vllm:cuda"
+
+#: Oldest GPU generation vLLM's CUDA wheels support (Volta, sm_70): vLLM's GPU
+#: installation docs list "compute capability 7.0 or higher". Evidence D (docs).
+MIN_SM = 70
+
+#: bfloat16 needs Ampere. vLLM 0.32 ``platforms/cuda.py`` raises "Bfloat16 is
+#: only supported on GPUs with compute capability of at least 8.0" and suggests
+#: ``--dtype=half``.
+BF16_MIN_SM = 80
+
+#: Formats the vLLM CPU build executes on x86 (SPEC section 4): the remedy for a
+#: GPU refusal may point at a CPU venv only for these.
+CPU_FORMATS = frozenset({"dense", "compressed-tensors:int8", "gptq", "awq"})
+
+
+@dataclass(frozen=True)
+class FormatRule:
+    """A format runs on SM numbers in ``[min_sm, below_sm)``; ``below_sm`` None is open-ended."""
+
+    name: str
+    min_sm: int
+    below_sm: int | None = None
+
+    def allows(self, sm: int) -> bool:
+        return sm >= self.min_sm and (self.below_sm is None or sm < self.below_sm)
+
+
+# Sources (vLLM 0.32, model_executor/layers/quantization/):
+# - int8 W8A8: compressed_tensors_w8a8_int8.py get_min_capability() == 75
+#   ("turing and up"); the cutlass c3x scaled_mm has no int8 path for SM >= 100,
+#   measured on an RTX 5090 laptop: "Int8 not supported on SM120" after ~40 s.
+# - fp8 W8A8: compressed_tensors_w8a8_fp8.py get_min_capability() == 89
+#   ("lovelace and up"). fp8.py (Fp8Config) says 75 because it falls back to a
+#   weight-only Marlin kernel below 8.9; SPEC section 4 counts the native
+#   W8A8 path, so both fp8 names use 89.
+# - w4a16: compressed_tensors_wNa16.py == 75; awq: auto_awq.py == 75; gptq:
+#   auto_gptq.py says 60 but runs through Marlin, and
+#   utils/marlin_utils.py query_marlin_supported_quant_types() returns no
+#   type below 75.
+# - modelopt_fp4 (NVFP4): modelopt.py ModelOptNvFp4Config says 75 through a
+#   Marlin emulation; native NVFP4 needs Blackwell (SPEC section 4), so 100.
+# - bitsandbytes: not in the vLLM 0.32 tree this was checked against; 75 as
+#   the project brief states.
+RULES: tuple[FormatRule, ...] = (
+    FormatRule("dense", MIN_SM),
+    FormatRule("compressed-tensors:int8", 75, below_sm=100),
+    FormatRule("compressed-tensors:fp8", 89),
+    FormatRule("fp8", 89),
+    FormatRule("compressed-tensors:w4a16", 75),
+    FormatRule("gptq", 75),
+    FormatRule("awq", 75),
+    FormatRule("modelopt_fp4", 100),
+    FormatRule("bitsandbytes", 75),
+)
+_RULES_BY_NAME = {rule.name: rule for rule in RULES}
+
+#: Format families a remedy names, and which formats belong to each.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "fp8": ("compressed-tensors:fp8", "fp8"),
+    "int8": ("compressed-tensors:int8",),
+    "4-bit": ("compressed-tensors:w4a16", "gptq", "awq"),
+    "nvfp4": ("modelopt_fp4",),
+    "bitsandbytes": ("bitsandbytes",),
+    "dense": ("dense",),
+}
+
+#: Closest substitutes for a refused format, best first: the same or a wider
+#: bit width before dense, which always comes last.
+_SUBSTITUTES: dict[str, tuple[str, ...]] = {
+    "compressed-tensors:int8": ("fp8", "dense"),
+    "compressed-tensors:fp8": ("int8", "dense"),
+    "fp8": ("int8", "dense"),
+    "modelopt_fp4": ("4-bit", "fp8", "dense"),
+    "compressed-tensors:w4a16": ("nvfp4", "int8", "dense"),
+    "gptq": ("4-bit", "int8", "dense"),
+    "awq": ("4-bit", "int8", "dense"),
+    "bitsandbytes": ("4-bit", "dense"),
+}
+
+
+def sm_number(compute_capability: str | None) -> int | None:
+    """``"sm_89"`` -> 89, ``"sm_120"`` -> 120; None for anything else."""
+    if not compute_capability or not compute_capability.startswith("sm_"):
+        return None
+    digits = compute_capability[3:]
+    return int(digits) if digits.isdigit() else None
+
+
+def formats_for(sm: int) -> tuple[str, ...]:
+    """The formats a GPU with this SM number executes, in table order."""
+    return tuple(rule.name for rule in RULES if rule.allows(sm))
+
+
+def owns(device: Device) -> bool:
+    return device.backend == BACKEND or device.device_id.startswith("cuda:")
+
+
+def device_formats(device: Device) -> tuple[str, ...]:
+    """Formats from the device's compute capability, else what the probe recorded."""
+    sm = sm_number(device.compute_capability)
+    return formats_for(sm) if sm is not None else tuple(device.weight_formats)
+
+
+def _family_label(family: str) -> str:
+    members = FAMILIES[family]
+    if members == (family,):
+        return family
+    return f"{family} ({' / '.join(members)})"
+
+
+def format_refusal_remedy(device: Device, weight_format: str) -> str:
+    """What to do when ``device`` cannot execute ``weight_format``: the builds that would run.
+
+    Names the closest formats this GPU does execute, a newer GPU when the format
+    only needs a higher SM, and the CPU venv when vLLM's CPU build runs the
+    format. Nothing is applied; the planner puts this in its refusal.
+    """
+    runs_here = set(device_formats(device))
+    families = [
+        family
+        for family in _SUBSTITUTES.get(weight_format, ("dense",))
+        if runs_here.intersection(FAMILIES[family])
+    ][:2]
+    clauses = []
+    if families:
+        names = " or ".join(_family_label(f) for f in families)
+        clauses.append(f"use the {names} build of this model on this GPU")
+    rule = _RULES_BY_NAME.get(weight_format)
+    sm = sm_number(device.compute_capability)
+    if rule is not None and sm is not None and sm < rule.min_sm:
+        clauses.append(f"run it on a GPU with SM >= {rule.min_sm / 10:.1f}")
+    if weight_format in CPU_FORMATS:
+        clauses.append(
+            f"run the {weight_format} checkpoint in a CPU venv: pip install edge-core edge-cpu"
+        )
+    if not clauses:
+        return f"no build of this model runs on {device.device_id}; pick another device"
+    return ", or ".join(clauses)
+
+
+def model_dtype(manifest: Any) -> str | None:
+    """The checkpoint's compute dtype, lower-case without a ``torch.`` prefix.
+
+    Read by attribute so any manifest shape works: ``manifest.dtype`` first,
+    then ``torch_dtype`` / ``dtype`` in ``config.json`` or its ``text_config``.
+    """
+    value = getattr(manifest, "dtype", None)
+    config = getattr(manifest, "config", None)
+    if not value and isinstance(config, dict):
+        nested = config.get("text_config")
+        for source in (config, nested if isinstance(nested, dict) else {}):
+            value = source.get("torch_dtype") or source.get("dtype")
+            if value:
+                break
+    if not value:
+        return None
+    return str(value).lower().removeprefix("torch.")
+
+
+def gate(device: Device, manifest: Any) -> list[Refusal]:
+    """Kernel limits vLLM would hit after loading: bfloat16 below sm_80."""
+    sm = sm_number(device.compute_capability)
+    dtype = model_dtype(manifest)
+    if sm is None or dtype not in ("bfloat16", "bf16") or sm >= BF16_MIN_SM:
+        return []
+    return [
+        Refusal(
+            code="kernel_unsupported",
+            device_id=device.device_id,
+            message=(
+                f"{device.name} ({device.device_id}) is {device.compute_capability}; "
+                f"vLLM runs bfloat16 only on SM >= 8.0 and this checkpoint is {dtype}"
+            ),
+            remedy="use dtype float16 (--dtype float16) or a device with SM>=8.0",
+            details={"dtype": dtype, "compute_capability": device.compute_capability},
+        )
+    ]
