@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from edge_core.devices import Device
+from edge_core.routes import ROUTES_EXTRA
 
 from ._routes import resolve
 
@@ -125,19 +126,23 @@ def probe(
     adapters = [(vendor, name) for vendor, name in adapters if vendor != "nvidia"]
     if not adapters:
         return _note("no AMD or Intel GPU found (NVIDIA GPUs are edge-cuda's)")
-    route, candidate, why = resolve(where, version_of)
+    resolution = resolve(where, version_of)
+    resolved = resolution.resolved
+    route = resolved.route if resolved else None
+    # The route a remedy names: the resolved one, else the best one that could live here.
+    candidate = route or next((s.route for s in resolution.statuses if s.where == "here"), None)
     devices, seen = [], set()
     for vendor, name in adapters:
         device_id = f"gpu_integrated:{vendor}"
         if device_id in seen:  # one row per vendor: a second card would reuse the id
             continue
         seen.add(device_id)
-        extras: dict[str, Any] = {"platform": where}
+        extras: dict[str, Any] = {"platform": where, ROUTES_EXTRA: resolution.to_list()}
         if candidate is not None:
             extras["route"] = candidate.backend
-            if candidate.note:
-                extras["route_note"] = candidate.note
-        reason = why
+            if candidate.preference_note:
+                extras["route_note"] = candidate.preference_note
+        reason = resolution.reason
         if where == "linux":
             reason = ("DirectML needs Windows or WSL; on native Linux this GPU is driven by "
                       "ROCm or oneAPI, not by edge-dml")
@@ -163,3 +168,47 @@ def probe(
 def _note(message: str) -> tuple[list[Device], str]:
     log.debug("edge-dml found no devices: %s", message)
     return [], message
+
+
+def verify(device: Device, ort: Any = None, torch_directml: Any = None) -> Device:
+    """Ask the route's runtime itself whether it reaches DirectML in this process (evidence B).
+
+    ``ort:dml``: ONNX Runtime must offer ``DmlExecutionProvider`` in its
+    provider list. ``torch:dml``: torch-directml must count at least one
+    device. This imports the runtime (the only place besides a stage start
+    that does). A listed provider still proves no placement: graphs it cannot
+    take run on the CPU silently, which only a measured stage shows.
+    """
+    evidence = {**device.evidence, "runnable": "B"}
+    if device.backend == "ort:dml":
+        if ort is None:
+            try:
+                import onnxruntime as ort
+            except ImportError as exc:
+                return device.replace(runnable=False, evidence=evidence,
+                                      reason=f"onnxruntime cannot be imported here ({exc}): pip install edge-dml")
+        providers = list(ort.get_available_providers())
+        extras = {**device.extras, "providers": providers}
+        if "DmlExecutionProvider" in providers:
+            return device.replace(extras=extras, evidence=evidence)
+        return device.replace(
+            runnable=False, extras=extras, evidence=evidence,
+            reason=(f"onnxruntime {getattr(ort, '__version__', '?')} loads but offers no DmlExecutionProvider "
+                    f"(it offers {', '.join(providers) or 'none'}): another onnxruntime build overwrote "
+                    "onnxruntime-directml; pip uninstall onnxruntime onnxruntime-gpu, then reinstall "
+                    "onnxruntime-directml"),
+        )
+    if device.backend == "torch:dml":
+        if torch_directml is None:
+            try:
+                import torch_directml
+            except Exception as exc:  # noqa: BLE001 - torch-directml fails to import in many ways (ABI, driver)
+                return device.replace(runnable=False, evidence=evidence,
+                                      reason=f"torch_directml cannot be imported here ({type(exc).__name__}: {exc})")
+        count = int(torch_directml.device_count())
+        extras = {**device.extras, "dml_device_count": count}
+        if count > 0:
+            return device.replace(extras=extras, evidence=evidence)
+        return device.replace(runnable=False, extras=extras, evidence=evidence,
+                              reason="torch_directml sees no DirectML device: update the Windows GPU driver and WSL")
+    return device

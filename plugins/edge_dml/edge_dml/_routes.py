@@ -1,18 +1,19 @@
 """Which DirectML route drives an integrated GPU here, and so which exported formats it takes.
 
-DirectML is reached two ways (SPEC section 4): ONNX Runtime's DirectML build on
-Windows, which executes ONNX graphs, and torch-directml under WSL, which
-executes a torch export. The route that resolves decides the format set; a
-route resolves only when its runtime distribution is installed in this
-interpreter, read from metadata, never imported.
+DirectML is reached two ways (SPEC section 4): ONNX Runtime's DirectML build in
+a native Windows Python, which executes ONNX graphs, and torch-directml in a
+Linux Python under WSL, which executes a torch export. The route that resolves
+decides the format set. Routes resolve through the core's shared mechanism
+(:mod:`edge_core.routes`): from installed metadata, never by importing, and a
+route that does not resolve says why — not installed, clashing, or living in
+another interpreter (from WSL, the Windows Python holding onnxruntime-directml).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
-from edge_core import runtimes
+from edge_core.routes import Resolution, Route, resolve as resolve_routes
 
 #: fp32 throughput measured on a Ryzen AI laptop (SPEC section 4), TFLOP/s:
 #: DirectML under WSL against the CPU it shares memory with. The DirectML route
@@ -21,41 +22,30 @@ from edge_core import runtimes
 WSL_DML_FP32_TFLOPS = 1.23
 SAME_HOST_CPU_FP32_TFLOPS = 1.54
 
+#: ONNX Runtime's name for the DirectML execution provider.
+DML_PROVIDER = "DmlExecutionProvider"
 
-@dataclass(frozen=True)
-class Route:
-    """One way to reach DirectML: where it applies, what provides it, what it executes."""
-
-    backend: str
-    #: ``windows`` (native Windows Python) or ``wsl`` (Linux under WSL 2, via /dev/dxg).
-    platform: str
-    distribution: str
-    formats: tuple[str, ...]
-    install: str
-    #: Distributions that install the same import package and overwrite it.
-    conflicts: tuple[str, ...] = ()
-    note: str | None = None
-
-
-#: Routes in preference order. ONNX Runtime's DirectML EP is the maintained
-#: path; torch-directml under WSL ranks last because it measured slower than the CPU.
+#: Routes in measured preference order. ONNX Runtime's DirectML EP is the
+#: maintained path; torch-directml under WSL ranks last because it measured
+#: slower than the CPU.
 ROUTES: tuple[Route, ...] = (
     Route(
         backend="ort:dml",
-        platform="windows",
+        interpreter="windows",
         distribution="onnxruntime-directml",
         formats=("onnx:fp16", "onnx:fp32"),
         install="pip install edge-dml (pulls onnxruntime-directml)",
+        provider=DML_PROVIDER,
         # All three ship the `onnxruntime` package; whichever was installed last wins.
         conflicts=("onnxruntime", "onnxruntime-gpu"),
     ),
     Route(
         backend="torch:dml",
-        platform="wsl",
+        interpreter="wsl",
         distribution="torch-directml",
         formats=("pt:fp16", "pt:fp32"),
         install='pip install "edge-dml[wsl]" (torch-directml)',
-        note=(
+        preference_note=(
             f"DirectML under WSL measured slower than the CPU it shares memory with "
             f"({WSL_DML_FP32_TFLOPS} vs {SAME_HOST_CPU_FP32_TFLOPS} TFLOP/s fp32, Ryzen AI "
             f"laptop); prefer the CPU backend for throughput"
@@ -65,31 +55,10 @@ ROUTES: tuple[Route, ...] = (
 ROUTES_BY_BACKEND = {route.backend: route for route in ROUTES}
 
 
-def resolve(
-    platform: str, version_of: Callable[[str], str | None] | None = None
-) -> tuple[Route | None, Route | None, str | None]:
-    """Return (resolved route, best candidate route, reason none resolved).
+def resolve(platform: str, version_of: Callable[[str], str | None] | None = None) -> Resolution:
+    """Every DirectML route's status from an interpreter of kind ``platform`` (``windows``, ``wsl``, ``linux``).
 
-    ``platform`` is ``windows``, ``wsl`` or anything else (no route applies).
     ``version_of`` looks up an installed distribution's version; it defaults to
     :func:`edge_core.runtimes.installed_version`, looked up at call time.
     """
-    version_of = version_of or (lambda name: runtimes.installed_version(name))
-    candidates = [route for route in ROUTES if route.platform == platform]
-    if not candidates:
-        return None, None, "DirectML needs Windows or WSL"
-    reasons = []
-    for route in candidates:
-        version = version_of(route.distribution)
-        clashing = [name for name in route.conflicts if version_of(name) is not None]
-        if version is not None and not clashing:
-            return route, route, None
-        if version is None:
-            reasons.append(f"{route.distribution} is not installed in this interpreter: {route.install}")
-        else:
-            reasons.append(
-                f"{route.distribution} {version} is installed beside {', '.join(clashing)}; they "
-                f"overwrite the same package: pip uninstall {' '.join(clashing)}, then reinstall "
-                f"{route.distribution}"
-            )
-    return None, candidates[0], "; ".join(reasons)
+    return resolve_routes(ROUTES, platform, version_of=version_of)

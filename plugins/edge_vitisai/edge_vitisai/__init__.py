@@ -2,29 +2,46 @@
 
 Registered in the ``edge.backends`` entry-point group as ``vitisai``. The NPU
 is reported as ``npu:amd``, drawing on host RAM (0 bytes of its own), executing
-``onnx:a16w8`` graphs only. Probing reads ``/sys`` and installed metadata;
-``verify_device`` is the one place that imports onnxruntime.
+``onnx:a16w8`` graphs only, reached through the VitisAI route of this
+interpreter kind (``_probe.ROUTES``: Windows, or Linux with amdxdna; from WSL the
+Windows route is another interpreter). Probing reads ``/sys`` and installed
+metadata; ``verify_device`` and the stage hooks are the only places that
+import onnxruntime, through edge-core's shared graph-stage runtime
+(:mod:`edge_core.ort_stage`), with VitisAI as the placement target.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from edge_core import hookimpl
 
 from . import _probe
-from ._probe import BACKEND, DEVICE_ID, FORMATS
+from ._probe import BACKEND, DEVICE_ID, FORMATS, PROVIDER, ROUTES
 
 EDGE_API_VERSION = 1
 
 #: Why the last probe found no devices, or None. The registry reads it.
 last_probe_note: str | None = None
 
+#: Where the VitisAI EP keeps the graphs it compiled for the NPU (its
+#: ``cache_dir`` option; ``cache_key`` is the artifact id), so a second start
+#: of the same stage does not compile again.
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "edge", "vitisai")
+
 __all__ = [
     "EDGE_API_VERSION",
     "FORMATS",
+    "PROVIDER",
+    "ROUTES",
+    "cancel",
+    "format_remedy",
     "last_probe_note",
     "probe_devices",
+    "start_stage",
+    "stop_stage",
+    "stream",
     "verify_device",
     "weight_formats",
 ]
@@ -32,6 +49,10 @@ __all__ = [
 
 def _owns(device: Any) -> bool:
     return device.device_id == DEVICE_ID and device.backend == BACKEND
+
+
+def _ours(stage: Any) -> bool:
+    return getattr(stage, "backend", None) == BACKEND and getattr(stage, "target_provider", None) == PROVIDER
 
 
 @hookimpl
@@ -47,5 +68,53 @@ def weight_formats(device: Any) -> list[str] | None:
 
 
 @hookimpl
+def format_remedy(device: Any, weight_format: str) -> str | None:
+    if not _owns(device):
+        return None
+    return (f"{DEVICE_ID} executes {', '.join(FORMATS)} only (QDQ: 16-bit activations, 8-bit weights); ONNX "
+            f"Runtime would not refuse a {weight_format} graph but leave every node on the CPU. Quantize the "
+            "stage to A16W8: `python scripts/export_stage.py --model CHECKPOINT --out DIR` writes "
+            "<stage>.a16w8.onnx (quantize_static: QUInt16 activations, QInt8 weights)")
+
+
+@hookimpl
 def verify_device(device: Any) -> Any:
     return _probe.verify(device) if _owns(device) else None
+
+
+@hookimpl
+def start_stage(device: Any, plan: Any) -> Any:
+    if not _owns(device):
+        return None
+    from edge_core import ort_stage
+
+    key = plan.manifest.artifact_id
+    return ort_stage.start(device, plan, providers=(PROVIDER, ort_stage.CPU_PROVIDER), target_provider=PROVIDER,
+                           provider_options={PROVIDER: {"cache_dir": CACHE_DIR, "cache_key": key}})
+
+
+@hookimpl
+def stream(stage: Any, request: Any) -> Any:
+    if not _ours(stage):
+        return None
+    from edge_core import ort_stage
+
+    return ort_stage.stream(stage, request)
+
+
+@hookimpl
+def cancel(stage: Any, request_id: str) -> bool | None:
+    if not _ours(stage):
+        return None
+    from edge_core import ort_stage
+
+    return ort_stage.cancel(stage, request_id)
+
+
+@hookimpl
+def stop_stage(stage: Any) -> bool | None:
+    if not _ours(stage):
+        return None
+    from edge_core import ort_stage
+
+    return ort_stage.stop(stage)

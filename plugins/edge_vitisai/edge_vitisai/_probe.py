@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterable
 
 from edge_core import runtimes
 from edge_core.devices import Device
+from edge_core.routes import ROUTES_EXTRA, Resolution, Route
+from edge_core.routes import resolve as resolve_routes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,20 @@ RUNTIME_REMEDY = (
     "install AMD's Ryzen AI Software into this environment (it provides "
     "onnxruntime-vitisai, which is not on PyPI)"
 )
+#: ONNX Runtime's name for the VitisAI execution provider: the stage's target.
+PROVIDER = "VitisAIExecutionProvider"
+
+#: The VitisAI EP lives in ONNX Runtime builds AMD ships with Ryzen AI Software,
+#: for Windows first and for Linux (amdxdna) since. One route per interpreter
+#: kind, through the core's shared route mechanism; from WSL the Windows route is
+#: "another interpreter", which is what the refusal names.
+ROUTES: tuple[Route, ...] = (
+    Route(backend=BACKEND, interpreter="windows", distribution="onnxruntime-vitisai", formats=FORMATS,
+          install=RUNTIME_REMEDY + ", and edge-core and edge-vitisai in that Python", provider=PROVIDER),
+    Route(backend=BACKEND, interpreter="linux", distribution="onnxruntime-vitisai", formats=FORMATS,
+          install=RUNTIME_REMEDY + " (Linux build)", provider=PROVIDER),
+)
+
 WSL_REASON = (
     "device_unreachable_from_this_process: the XDNA NPU is driven by the Windows driver; "
     "WSL has no amdxdna device. Run edge from a Windows Python with edge-vitisai installed"
@@ -86,6 +102,27 @@ def find_runtime(
         ):
             return name, version
     return None
+
+
+def resolve(
+    where: str,
+    version_of: Callable[[str], str | None] | None = None,
+    files_of: Callable[[str], Iterable[str] | None] | None = None,
+) -> Resolution:
+    """The VitisAI routes' statuses from an interpreter of kind ``where``.
+
+    A route resolves when an ONNX Runtime carrying the VitisAI EP is installed
+    (:func:`find_runtime`: ``onnxruntime-vitisai``, or a plain ``onnxruntime``
+    that ships the provider library).
+    """
+
+    def check(route: Route) -> tuple[str | None, str | None]:
+        runtime = find_runtime(version_of, files_of)
+        if runtime is None:
+            return None, f"no ONNX Runtime with the VitisAI EP is installed: {route.install}"
+        return runtime[1], None
+
+    return resolve_routes(ROUTES, where, check=check)
 
 
 def amdxdna_nodes(root: Path) -> list[str]:
@@ -132,13 +169,15 @@ def probe(
     if system == "linux":
         nodes = amdxdna_nodes(root)
         if nodes:
-            return [_linux_device(root, nodes[0], find_runtime(version_of, files_of))], None
+            routes = resolve("linux", version_of, files_of)
+            return [_linux_device(root, nodes[0], find_runtime(version_of, files_of), routes)], None
         osrelease = (_read(root / "proc/sys/kernel/osrelease") or "").lower()
         if "microsoft" in osrelease and (root / "dev/dxg").exists():
             if not cpu_says_npu:
                 return _note("WSL, and the CPU model names no NPU; the XDNA NPU is only "
                              "reachable from Windows")
-            return [_device(False, WSL_REASON, {"found": "E"}, {"cpu_model": cpu, "platform": "wsl"})], None
+            extras = {"cpu_model": cpu, "platform": "wsl", ROUTES_EXTRA: resolve("wsl", version_of, files_of).to_list()}
+            return [_device(False, WSL_REASON, {"found": "E"}, extras)], None
         hint = (f"; this CPU ({cpu}) has one: load the amdxdna driver (Linux 6.14+)"
                 if cpu_says_npu else "")
         return _note(f"no accel device bound to the {DRIVER} driver under /sys/class/accel{hint}")
@@ -146,7 +185,8 @@ def probe(
         runtime = find_runtime(version_of, files_of)
         if not cpu_says_npu and runtime is None:
             return _note("the CPU model names no NPU and no ONNX Runtime with the VitisAI EP is installed")
-        extras = {"cpu_model": cpu, "platform": "windows", "runtime": _runtime_text(runtime)}
+        extras = {"cpu_model": cpu, "platform": "windows", "runtime": _runtime_text(runtime),
+                  ROUTES_EXTRA: resolve("windows", version_of, files_of).to_list()}
         reason = None if runtime else f"no ONNX Runtime with the VitisAI EP is installed: {RUNTIME_REMEDY}"
         return [_device(runtime is not None, reason, {"found": "E", "runnable": "D"}, extras)], None
     return _note(f"the XDNA NPU is driven on Linux (amdxdna) or Windows; this is {system}")
@@ -156,10 +196,11 @@ def _runtime_text(runtime: tuple[str, str] | None) -> str | None:
     return f"{runtime[0]} {runtime[1]}" if runtime else None
 
 
-def _linux_device(root: Path, node: str, runtime: tuple[str, str] | None) -> Device:
+def _linux_device(root: Path, node: str, runtime: tuple[str, str] | None, routes: Resolution) -> Device:
     dev = root / "dev/accel" / node
     pci = (_read(root / "sys/class/accel" / node / "device/device") or "").strip() or None
-    extras = {"platform": "linux", "accel": node, "pci_device": pci, "runtime": _runtime_text(runtime)}
+    extras = {"platform": "linux", "accel": node, "pci_device": pci, "runtime": _runtime_text(runtime),
+              ROUTES_EXTRA: routes.to_list()}
     if runtime is None:
         reason = f"the XDNA NPU is here ({DRIVER} driver) but no ONNX Runtime with the VitisAI EP is installed: {RUNTIME_REMEDY}"
     elif not dev.exists():
