@@ -201,12 +201,17 @@ def _check_external(tensor: Any, nbytes: int, root: str, path: str, external: di
                             "copy the complete external data file beside the graph", path)
 
 
+#: Operators whose constant inputs are the weights a scheme's "W" width names.
+_WEIGHT_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum")
+
+
 def _scheme(onnx: Any, tensors: list[tuple[str, Any]], nodes: list[Any]) -> dict[str, Any]:
     """The graph's quantization scheme: activation and weight bit widths from its Q/DQ nodes."""
     T = onnx.TensorProto
     weights = {name: t.data_type for name, t in tensors}
     act_bits: set[int] = set()
     weight_bits: set[int] = set()
+    constant_bits: dict[str, int | None] = {}
     qdq = False
     other_quant = None
     for node in nodes:
@@ -224,11 +229,19 @@ def _scheme(onnx: Any, tensors: list[tuple[str, Any]], nodes: list[Any]) -> dict
             source = weights.get(inputs[0]) if inputs else None
             # int32 initializers behind a DequantizeLinear are quantized biases, not weights.
             if source is not None and source != T.INT32:
-                weight_bits.add(ONNX_DTYPE_BITS.get(_dtype_name(onnx, source)))
+                bits = ONNX_DTYPE_BITS.get(_dtype_name(onnx, source))
+                constant_bits[node.output[0]] = bits
+                weight_bits.add(bits)
         elif node.op_type == "MatMulNBits":
             other_quant = f"onnx:w{next((a.i for a in node.attribute if a.name == 'bits'), 4)}-matmulnbits"
         elif node.op_type in _QOPERATORS:
             other_quant = other_quant or "onnx:qoperator"
+    # The scheme is what the matrix products read: ONNX Runtime's A16W8 quantizer
+    # keeps a norm's scale or an epsilon at 16 bits, which is not the weight width.
+    product_bits = {constant_bits[name] for node in nodes if node.op_type in _WEIGHT_OPS
+                    for name in node.input if name in constant_bits}
+    if product_bits:
+        weight_bits = product_bits
     fmt = None
     if qdq:
         if len(act_bits) == 1 and len(weight_bits) == 1 and None not in act_bits | weight_bits:

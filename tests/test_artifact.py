@@ -779,3 +779,25 @@ def test_known_configs_are_plain_json():
     assert json.loads(json.dumps(KNOWN_CONFIGS)) == KNOWN_CONFIGS
     ds = KNOWN_CONFIGS["deepseek-ai/DeepSeek-V2-Lite"]
     assert (ds["kv_lora_rank"], ds["qk_rope_head_dim"], ds["q_lora_rank"]) == (512, 64, None)
+
+
+def test_a16w8_is_named_by_the_matmul_weights_not_a_16_bit_norm_scale(tmp_path):
+    """ONNX Runtime's A16W8 quantizer keeps a norm's scale at 16 bits; the weights are still 8-bit."""
+    onnx, model = qdq_graph(onnx_type("UINT16"))
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    graph.initializer.extend([
+        helper.make_tensor("g_q", TensorProto.UINT16, [32], [3] * 32),
+        helper.make_tensor("g_scale", TensorProto.FLOAT, [], [0.001]),
+        helper.make_tensor("g_zp", TensorProto.UINT16, [], [0]),
+    ])
+    graph.node.extend([
+        helper.make_node("DequantizeLinear", ["g_q", "g_scale", "g_zp"], ["g"]),
+        helper.make_node("Mul", ["y", "g"], ["y_scaled"]),
+    ])
+    graph.output[0].name = "y_scaled"
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    m = read_manifest(tmp_path / "model.onnx")
+    assert m.weight_format == "onnx:a16w8"
+    assert m.onnx["weight_bits"] == [8]
