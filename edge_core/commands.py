@@ -41,6 +41,9 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
                         help="KV cache dtype (auto = the model's dtype)")
     parser.add_argument("--devices", metavar="FILE",
                         help="plan against a device list saved from `edge devices --json` on another machine")
+    parser.add_argument("--backend", metavar="NAME",
+                        help="only this backend's devices: a plugin name from `edge plugins` (cpu, transformers, "
+                             "...) or a device's backend (vllm:cpu)")
     parser.add_argument("--digest-weights", action="store_true",
                         help="also hash every weight byte into the manifest (slow for big checkpoints)")
 
@@ -94,9 +97,27 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     else:
         host, registry, devices = discover(args)
         source = "probed"
+    devices = only_backend(devices, getattr(args, "backend", None), registry)
     plan = make_plan(model, session=session_from(args), devices=devices, host=host, registry=registry,
                      devices_source=source, digest_weights=args.digest_weights)
     return plan, registry
+
+
+def only_backend(devices: list[Any], name: str | None, registry: Any) -> list[Any]:
+    """The devices ``--backend NAME`` selects: those of plugin NAME, or whose backend is NAME.
+
+    An installed plugin with no device gives an empty list, which the planner
+    refuses with why; a name nothing carries is a usage error.
+    """
+    if not name:
+        return devices
+    chosen = [d for d in devices if name in (d.plugin, d.backend)]
+    installed = {r.name for r in registry.plugins()} if registry is not None else set()
+    if chosen or name in installed:
+        return chosen
+    known = sorted(installed | {d.plugin for d in devices if d.plugin} | {d.backend for d in devices if d.backend})
+    raise UsageError(f"--backend {name}: no installed plugin or device backend is named {name!r}; "
+                     f"known here: {', '.join(known) or 'none'}")
 
 
 def mib(value: int | None) -> str:
@@ -116,7 +137,14 @@ def print_plan(plan: Any, elapsed_s: float) -> None:
     for refusal in plan.refusals:
         print(f"  refused   [{refusal.code}] {refusal.device_id or '-'}: {refusal.message}")
         print(f"            remedy: {refusal.remedy}")
-    if plan.admitted:
+    stage = getattr(plan, "stage", None)  # a graph-stage plan (edge_core.stages) has no decode session
+    if plan.admitted and stage:
+        route = stage.get("route") or {}
+        print(f"  stage     {stage.get('stage') or 'graph'} via {route.get('backend') or plan.backend} "
+              f"({route.get('where', 'here')}); target {stage.get('target_provider')}, placed when it runs "
+              f">= {stage.get('placement_threshold'):.0%} of nodes and time; numeric tolerance "
+              f"{stage.get('numeric_tolerance'):g} vs {Path(stage.get('reference_graph') or '').name}")
+    elif plan.admitted:
         print(f"  session   max_model_len {plan.session.max_model_len}, max_num_seqs {plan.session.max_num_seqs}, "
               f"max_num_batched_tokens {plan.session.max_num_batched_tokens}")
         print(f"  {'purpose':<22} {'bytes':>12}  {'pool':<9} {'lifetime':<16} ev")

@@ -1,0 +1,19 @@
+"""edge-vitisai against edge-core's conformance suite.
+
+Without the hardware (or its runtime) the probe reports no runnable device and
+the checks that need one skip themselves, saying why; the contract, probe and
+planning checks run everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_core.testing import BackendConformance
+
+edge_vitisai = pytest.importorskip("edge_vitisai", reason="edge-vitisai is not installed and its source is not beside these tests")
+
+
+class TestVitisAIConformance(BackendConformance):
+    plugin = edge_vitisai
+    plugin_name = "vitisai"
