@@ -7,17 +7,30 @@ group; they implement the hooks in :mod:`edge_core.hookspecs` with
 
 from .budget import Reservation
 from .devices import Device
+from .errors import ArtifactError, EdgeError, StageError, UsageError
 from .hookspecs import API_VERSION, hookimpl
 from .host import HostFacts, NumaNode
+from .plan import Plan, Refusal, SessionSpec
+from .stream import DeltaEvent, StageRequest, StateHandle
 
 __version__ = "0.1.0"
 
 __all__ = [
     "API_VERSION",
+    "ArtifactError",
+    "DeltaEvent",
     "Device",
+    "EdgeError",
     "HostFacts",
     "NumaNode",
+    "Plan",
+    "Refusal",
     "Reservation",
+    "SessionSpec",
+    "StageError",
+    "StageRequest",
+    "StateHandle",
+    "UsageError",
     "hookimpl",
     "__version__",
 ]

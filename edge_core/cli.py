@@ -144,10 +144,10 @@ def _print_plugins(registry: Any) -> None:
     print(f"Plugins ({len(records)})")
     for record in records:
         dist = f"{record.distribution or '?'} {record.version or ''}".strip()
-        line = f"  {record.name:<10} {dist:<22} {record.status:<13} {record.load_time_s * 1000:6.1f} ms"
+        line = f"  {record.name:<14} {dist:<24} {record.status:<13} {record.load_time_s * 1000:6.1f} ms"
         print(line)
         if record.reason and record.status != "loaded":
-            print(f"             {record.reason}")
+            print(f"  {'':<14} {record.reason}")
     for warning in registry.warnings:
         print(f"  warning: {warning}")
 

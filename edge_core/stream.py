@@ -556,8 +556,9 @@ class SequenceChecker:
 
 #: What a cancel report says about memory, because it is the first thing people misread.
 CANCEL_MEMORY_NOTE = (
-    "cancel frees the request's in-flight work, not device memory: vLLM pre-allocates "
-    "its KV pool, so the device counter does not drop; what drops is the in-flight count"
+    "cancel frees the request's in-flight work, not device memory: an engine that "
+    "pre-allocates its KV pool (vLLM does) keeps it, so the device counter does not drop; "
+    "what drops is the in-flight count"
 )
 
 
