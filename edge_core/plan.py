@@ -395,9 +395,7 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Any], host
               devices_source: str = "probed", digest_weights: bool = False) -> Plan:
     """Walk the gates for every candidate device and return the plan, admitted or refused."""
     from .artifact import read_manifest
-    from .budget import peak as combine
     from .errors import ArtifactError
-    from .kv import estimate_kv
 
     def refused(refusals: list[Refusal], **extra: Any) -> Plan:
         return Plan(admitted=False, model_path=str(model_path), session=session, refusals=tuple(refusals),

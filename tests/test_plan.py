@@ -9,7 +9,7 @@ import pytest
 
 from edge_core.budget import peak
 from edge_core.devices import load_device_list
-from edge_core.host import HostFacts, NumaNode, read_host
+from edge_core.host import HostFacts, read_host
 from edge_core.kv import estimate_kv
 from edge_core.plan import SessionSpec, candidate_order, make_plan
 from edge_core.registry import Registry
