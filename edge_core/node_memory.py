@@ -20,6 +20,11 @@ node has grown, re-reads, and raises :class:`~edge_core.errors.StageError` if
 the node is still short of what vLLM will certainly check. What it did is a
 :class:`NodePrep` for the run record.
 
+Verified with a real run (2026-11-30): ``edge run --max-num-seqs 8500
+--max-num-batched-tokens 8704`` on the demo asks for a 16.6 GiB KV pool while
+node 0 read 15.92 GiB reclaimable (16.09 GiB total); edge grew the node to
+20.34 GiB (19.13 GiB reclaimable) before loading, and vLLM accepted the pool.
+
 ``edge run`` calls it before the memory sampler's baseline, so the touched
 (and released) pages are never counted as the session's memory.
 """
@@ -46,10 +51,16 @@ HOST_FLOOR_BYTES = 1 << 30
 #: The target stands this far above the predicted peak: the node check comes
 #: after other processes on the host had ~15 s to allocate (estimate, E).
 TARGET_SLACK_BYTES = 256 << 20
-#: Touch-release rounds at most. One round overestimates the growth (measured:
-#: reclaimable + touched predicted 15.9 GiB, 14.46 GiB after release), so a
-#: second round tops it up; a node that did not grow in a round ends the loop.
+#: Touch-release rounds at most; a node that did not grow in a round ends the
+#: loop early, and a later round allows for the shortfall the previous release
+#: showed.
 MAX_ROUNDS = 3
+#: How far below "reclaimable + touched" the node reads right after a release,
+#: so the first round aims this much above the target (estimate, E). Measured
+#: on this project's VM: 1.4 GiB after touching 11 GiB (MemFree then crept up
+#: ~0.6 GiB over 30 s); in a 16.6 GiB KV-pool run, three rounds aiming at the
+#: bare target each fell ~1.5 GiB short (34 GiB touched in 61 s in all).
+RELEASE_SHORTFALL_BYTES = 2 << 30
 
 NOT_NEEDED = "not_needed"
 PREFAULTED = "prefaulted"
@@ -101,6 +112,9 @@ class NodePrep:
     rounds: int = 0
     seconds: float = 0.0
     note: str = ""
+    #: Per round: bytes touched, what the node was expected to read after the
+    #: release, and what it read (bytes), with its total.
+    round_log: tuple[dict[str, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +127,7 @@ class NodePrep:
             "after": self.after.to_dict() if self.after else None,
             "touched_bytes": self.touched_bytes,
             "rounds": self.rounds,
+            "round_log": [dict(entry) for entry in self.round_log],
             "seconds": round(self.seconds, 3),
             "note": self.note,
         }
@@ -192,6 +207,7 @@ def prepare_node(
     chunk_bytes: int = CHUNK_BYTES,
     host_floor_bytes: int = HOST_FLOOR_BYTES,
     max_rounds: int = MAX_ROUNDS,
+    release_shortfall_bytes: int = RELEASE_SHORTFALL_BYTES,
     toucher: Any = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> NodePrep:
@@ -216,16 +232,21 @@ def prepare_node(
     toucher = toucher or _AnonymousToucher()
     current = before
     touched_total = rounds = 0
+    overshoot = release_shortfall_bytes
+    log: list[dict[str, int]] = []
     while current.reclaimable_bytes < target_bytes and current.unattributed_bytes > 0 and rounds < max_rounds:
         rounds += 1
         grown_from = current.total_bytes
         touched = 0
+        expected = current.reclaimable_bytes
         try:
             while True:
                 reading = read_node(node_id, root) or current
                 # While held, touched pages left the node's free figure; after
-                # release they come back on a node that has grown to hold them.
-                if reading.reclaimable_bytes + touched >= target_bytes:
+                # release they come back on a node that has grown to hold them
+                # (not all at once: a later round aims higher by the shortfall).
+                expected = reading.reclaimable_bytes + touched
+                if expected >= target_bytes + overshoot:
                     break
                 if reading.host_available_bytes - chunk_bytes < host_floor_bytes:
                     break
@@ -237,10 +258,14 @@ def prepare_node(
             toucher.release()
         touched_total += touched
         current = read_node(node_id, root) or current
+        log.append({"touched_bytes": touched, "expected_bytes": expected,
+                    "reclaimable_bytes": current.reclaimable_bytes, "total_bytes": current.total_bytes})
+        # The next round expects the release to fall short as much as this one did.
+        overshoot = max(overshoot, expected - current.reclaimable_bytes)
         if touched == 0 or current.total_bytes <= grown_from:
             break  # the node did not grow: more rounds would not help
     prep = NodePrep(PREFAULTED if touched_total else NOT_NEEDED, node_id, kv_bytes, required_bytes, target_bytes,
-                    before, current, touched_total, rounds, time.monotonic() - started)
+                    before, current, touched_total, rounds, time.monotonic() - started, round_log=tuple(log))
     if current.reclaimable_bytes < required_bytes:
         gib = 2**30
         raise StageError(
@@ -254,7 +279,7 @@ def prepare_node(
             "--kv-dtype fp8, then plan again"
         )
     return NodePrep(prep.action, node_id, kv_bytes, required_bytes, target_bytes, before, current, touched_total,
-                    rounds, time.monotonic() - started,
+                    rounds, time.monotonic() - started, round_log=tuple(log),
                     note=(f"node {node_id} grew from {before.total_bytes / 2**30:.2f} to "
                           f"{current.total_bytes / 2**30:.2f} GiB" if touched_total else
                           f"node {node_id} reads {current.reclaimable_bytes / 2**30:.2f} GiB: enough for the "

