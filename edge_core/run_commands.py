@@ -537,13 +537,34 @@ def _children_alive() -> list[int]:
 
 # ---------------------------------------------------------------- edge run
 
+def _run_graph(args: argparse.Namespace, plan: Any, registry: Any, plan_s: float) -> int:
+    """``edge run --model GRAPH.onnx``: one request of sample tensors, then the placement and numeric gates."""
+    from .cli import emit_json
+    from .commands import print_plan
+    from .stages import describe_stage_record, run_graph_stage
+
+    if not args.json:
+        print_plan(plan, plan_s)
+        print(flush=True)
+    record = run_graph_stage(plan, registry, seed=args.seed or 0) if plan.admitted else {
+        "admitted": False, "passed": False, "refusals": [r.to_dict() for r in plan.refusals]}
+    if args.json:
+        emit_json({"outcome": "passed" if record.get("passed") else "refused", "plan": plan.to_dict(),
+                   "stage_run": record}, "run")
+    elif plan.admitted:
+        print(describe_stage_record(record))
+    return EXIT_OK if record.get("passed") else EXIT_REFUSED
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .cli import emit_json
     from .commands import print_plan
     from .stream import StageRequest
 
-    prompt = _prompt_from(args)
     plan, registry, plan_s = _plan(args)
+    if getattr(plan, "stage", None) is not None or (plan.manifest is not None and plan.manifest.kind == "onnx"):
+        return _run_graph(args, plan, registry, plan_s)
+    prompt = _prompt_from(args)
     if not plan.admitted:
         if args.json:
             emit_json({"outcome": "refused", "plan": plan.to_dict()}, "run")

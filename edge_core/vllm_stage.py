@@ -388,17 +388,17 @@ class VllmStage:
                 state.task.cancel()
         engine = self.engine
 
-        async def shutdown() -> None:
+        async def shutdown(target: Any) -> None:
             # On the loop, so vLLM's output handler cannot run between the engine
             # core going away and its own cancellation (from another thread it
             # did, and logged "AsyncLLM output_handler failed ... EngineDeadError").
-            engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+            target.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
 
         try:
-            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(SHUTDOWN_TIMEOUT_S * 2)
+            asyncio.run_coroutine_threadsafe(shutdown(engine), self.loop).result(SHUTDOWN_TIMEOUT_S * 2)
         except Exception as exc:  # noqa: BLE001 — leftovers are terminated below and reported
             error = f"{type(exc).__name__}: {exc}"
-        del engine
+        engine = None  # drop this frame's reference before the loop thread is joined
         joined = _stop_loop(self.loop, self.thread)
         self.engine = None
         leftover, terminated, killed = _reap(self.stage_pids)
