@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from .commands import _positive_int
 from .errors import EXIT_DIVERGED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, StageError, UsageError
 
 #: The acceptance and parity prompts: fixed, so two runs (or two machines)
@@ -75,14 +76,6 @@ COVERED_COUNTERS = {
 
 # ---------------------------------------------------------------- options
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
 
 
 def _temperature(text: str) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import Device, HostFacts, hookimpl
+from edge_core.vllm_hooks import cancel, start_stage, stop_stage, stream  # stages run on vLLM
 
 from . import _gates, _memory, _probe
 
@@ -63,32 +64,8 @@ def reserve_memory(device: Device, manifest: Any, session: Any, host: HostFacts)
     return _memory.reservations(manifest, session, host)
 
 
-@hookimpl
-def start_stage(device: Device, plan: Any) -> Any:
-    from edge_core import vllm_stage
-
-    return vllm_stage.start(device, plan)
 
 
-@hookimpl
-def stream(stage: Any, request: Any) -> Any:
-    from edge_core import vllm_stage
-
-    return vllm_stage.stream(stage, request)
-
-
-@hookimpl
-def cancel(stage: Any, request_id: str) -> bool:
-    from edge_core import vllm_stage
-
-    return vllm_stage.cancel(stage, request_id)
-
-
-@hookimpl
-def stop_stage(stage: Any) -> bool:
-    from edge_core import vllm_stage
-
-    return vllm_stage.stop(stage)
 
 
 @hookimpl

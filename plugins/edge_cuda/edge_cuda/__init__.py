@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import hookimpl
+from edge_core.vllm_hooks import cancel, start_stage, stop_stage, stream  # stages run on vLLM
 
 from . import _capability, _memory, _probe
 
@@ -70,34 +71,3 @@ def reserve_memory(device: Any, manifest: Any, session: Any, host: Any) -> list 
     if not _capability.owns(device):
         return None
     return _memory.reservations(session)
-
-
-# Stages run on edge-core's vLLM stage runtime, shared with edge-cpu; it is
-# imported only when a stage starts.
-
-@hookimpl
-def start_stage(device: Any, plan: Any) -> Any:
-    from edge_core import vllm_stage
-
-    return vllm_stage.start(device, plan)
-
-
-@hookimpl
-def stream(stage: Any, request: Any) -> Any:
-    from edge_core import vllm_stage
-
-    return vllm_stage.stream(stage, request)
-
-
-@hookimpl
-def cancel(stage: Any, request_id: str) -> bool:
-    from edge_core import vllm_stage
-
-    return vllm_stage.cancel(stage, request_id)
-
-
-@hookimpl
-def stop_stage(stage: Any) -> bool:
-    from edge_core import vllm_stage
-
-    return vllm_stage.stop(stage)
