@@ -234,6 +234,54 @@ def llama_like_tensors(config: dict[str, Any], dtype: str | None = None) -> Tens
     return tensors
 
 
+def deepseek_v2_tensors(config: dict[str, Any], dtype: str | None = None) -> Tensors:
+    """The tensors of a DeepSeek-V2-style decoder: MLA attention, dense first layers, then MoE.
+
+    MLA stores a low-rank KV projection (``kv_a_proj_with_mqa``: kv_lora_rank +
+    qk_rope_head_dim rows) and its up-projection (``kv_b_proj``); ``q_lora_rank``
+    None means a plain q_proj.
+    """
+    c = config
+    dtype = dtype or TORCH_TO_SAFETENSORS[c.get("torch_dtype", "bfloat16")]
+    hidden, heads, vocab = c["hidden_size"], c["num_attention_heads"], c["vocab_size"]
+    nope, rope, v_dim, rank = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    tensors: Tensors = {"model.embed_tokens.weight": (dtype, [vocab, hidden])}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if c.get("q_lora_rank"):
+            tensors[p + "self_attn.q_a_proj.weight"] = (dtype, [c["q_lora_rank"], hidden])
+            tensors[p + "self_attn.q_a_layernorm.weight"] = (dtype, [c["q_lora_rank"]])
+            tensors[p + "self_attn.q_b_proj.weight"] = (dtype, [heads * (nope + rope), c["q_lora_rank"]])
+        else:
+            tensors[p + "self_attn.q_proj.weight"] = (dtype, [heads * (nope + rope), hidden])
+        tensors[p + "self_attn.kv_a_proj_with_mqa.weight"] = (dtype, [rank + rope, hidden])
+        tensors[p + "self_attn.kv_a_layernorm.weight"] = (dtype, [rank])
+        tensors[p + "self_attn.kv_b_proj.weight"] = (dtype, [heads * (nope + v_dim), rank])
+        tensors[p + "self_attn.o_proj.weight"] = (dtype, [hidden, heads * v_dim])
+        tensors[p + "input_layernorm.weight"] = (dtype, [hidden])
+        tensors[p + "post_attention_layernorm.weight"] = (dtype, [hidden])
+        if i < c.get("first_k_dense_replace", 0):
+            inter = c["intermediate_size"]
+            for name, shape in (("gate_proj", [inter, hidden]), ("up_proj", [inter, hidden]),
+                                ("down_proj", [hidden, inter])):
+                tensors[p + f"mlp.{name}.weight"] = (dtype, shape)
+            continue
+        moe = c["moe_intermediate_size"]
+        tensors[p + "mlp.gate.weight"] = (dtype, [c["n_routed_experts"], hidden])
+        for e in range(c["n_routed_experts"]):
+            for name, shape in (("gate_proj", [moe, hidden]), ("up_proj", [moe, hidden]),
+                                ("down_proj", [hidden, moe])):
+                tensors[p + f"mlp.experts.{e}.{name}.weight"] = (dtype, shape)
+        shared = moe * c["n_shared_experts"]
+        for name, shape in (("gate_proj", [shared, hidden]), ("up_proj", [shared, hidden]),
+                            ("down_proj", [hidden, shared])):
+            tensors[p + f"mlp.shared_experts.{name}.weight"] = (dtype, shape)
+    tensors["model.norm.weight"] = (dtype, [hidden])
+    if not c.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = (dtype, [vocab, hidden])
+    return tensors
+
+
 _LINEAR = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
            "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 

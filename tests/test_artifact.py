@@ -801,3 +801,25 @@ def test_a16w8_is_named_by_the_matmul_weights_not_a_16_bit_norm_scale(tmp_path):
     m = read_manifest(tmp_path / "model.onnx")
     assert m.weight_format == "onnx:a16w8"
     assert m.onnx["weight_bits"] == [8]
+
+
+def test_mla_moe_checkpoint_weight_bytes_match_the_published_architecture(tmp_path):
+    """DeepSeek-V2-Lite: MLA attention + 64-expert MoE, 15.7B parameters on its model card."""
+    from factories import deepseek_v2_tensors
+
+    c = KNOWN_CONFIGS["deepseek-ai/DeepSeek-V2-Lite"]
+    write_checkpoint(tmp_path, c, deepseek_v2_tensors(c), shards=4)
+    h, v, n = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
+    attention = (n * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]) * h          # q_proj
+                 + (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * h                # compressed KV + rope key
+                 + c["kv_lora_rank"]                                               # its norm
+                 + n * (c["qk_nope_head_dim"] + c["v_head_dim"]) * c["kv_lora_rank"]  # KV up-projection
+                 + h * n * c["v_head_dim"] + 2 * h)                                # o_proj, two norms
+    dense = 3 * h * c["intermediate_size"]
+    moe = (c["n_routed_experts"] * h + c["n_routed_experts"] * 3 * h * c["moe_intermediate_size"]
+           + 3 * h * c["moe_intermediate_size"] * c["n_shared_experts"])
+    layers = c["num_hidden_layers"]
+    params = 2 * v * h + layers * attention + dense + (layers - 1) * moe + h
+    assert params == 15_706_484_224 and round(params / 1e9, 1) == 15.7
+    m = read_manifest(tmp_path)
+    assert m.weight_bytes == params * 2 and m.model_type == "deepseek_v2" and m.weight_format == "dense"

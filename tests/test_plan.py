@@ -269,3 +269,15 @@ def test_installed_backend_supplies_its_own_remedy_for_a_captured_device_list(ll
     [refusal] = [r for r in plan.refusals if r.device_id == "cuda:0"]
     assert refusal.code == "weight_format_unsupported"
     assert "fp8 (compressed-tensors:fp8 / fp8)" in refusal.remedy and "edge-cpu" in refusal.remedy
+
+
+def test_mla_checkpoint_is_planned_with_its_compressed_kv(tmp_path):
+    from factories import deepseek_v2_tensors
+
+    config = KNOWN_CONFIGS["deepseek-ai/DeepSeek-V2-Lite"]
+    write_checkpoint(tmp_path, config, deepseek_v2_tensors(config), shards=4)
+    plan = plan_for_file(tmp_path, "devices-h100.json", max_model_len=32768)
+    assert plan.admitted, [r.message for r in plan.refusals]
+    # MLA caches kv_lora_rank + qk_rope_head_dim elements per token per layer, once (not K and V).
+    assert plan.kv.bytes_per_token_flat == 27 * (512 + 64) * 2
+    assert next(r for r in plan.reservations if r.purpose == "weights").bytes == 15_706_484_224 * 2
