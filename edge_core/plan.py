@@ -445,7 +445,10 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Any], host
             verdicts.append(DeviceVerdict(device.device_id, False, (refusal,)))
             all_refusals.append(refusal)
             continue
-        outcome = _plan_on_device(device, manifest, session, host, registry, notes)
+        try:
+            outcome = _plan_on_device(device, manifest, session, host, registry, notes)
+        except ArtifactError as exc:  # the config lacks what the KV arithmetic needs: no device can help
+            return refused([Refusal(code=exc.code, message=str(exc), remedy=exc.remedy)], manifest=manifest)
         refusals = outcome["refusals"]
         all_refusals.extend(refusals)
         if refusals:

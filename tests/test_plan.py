@@ -281,3 +281,16 @@ def test_mla_checkpoint_is_planned_with_its_compressed_kv(tmp_path):
     # MLA caches kv_lora_rank + qk_rope_head_dim elements per token per layer, once (not K and V).
     assert plan.kv.bytes_per_token_flat == 27 * (512 + 64) * 2
     assert next(r for r in plan.reservations if r.purpose == "weights").bytes == 15_706_484_224 * 2
+
+
+def test_a_config_the_kv_arithmetic_cannot_read_is_a_refusal_not_an_error(tmp_path):
+    import shutil
+
+    shutil.copytree(DEMO / "tiny-llama", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    plan = plan_for_file(tmp_path / "m", "devices-h100.json", max_model_len=512)
+    assert not plan.admitted
+    [refusal] = plan.refusals
+    assert refusal.code == "config_unreadable" and "num_hidden_layers" in refusal.message
