@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import hookimpl
+from edge_core.ort_hooks import stage_hooks
 
 from . import _probe
 from ._routes import DML_PROVIDER, ROUTES, ROUTES_BY_BACKEND
@@ -47,9 +48,6 @@ def _owns(device: Any) -> bool:
     return device.device_id.startswith("gpu_integrated:") and (
         device.backend is None or device.backend in ROUTES_BY_BACKEND)
 
-
-def _ours(stage: Any) -> bool:
-    return getattr(stage, "backend", None) == _ORT_ROUTE and getattr(stage, "target_provider", None) == DML_PROVIDER
 
 
 @hookimpl
@@ -101,28 +99,5 @@ def start_stage(device: Any, plan: Any) -> Any:
                            target_provider=DML_PROVIDER)
 
 
-@hookimpl
-def stream(stage: Any, request: Any) -> Any:
-    if not _ours(stage):
-        return None
-    from edge_core import ort_stage
-
-    return ort_stage.stream(stage, request)
-
-
-@hookimpl
-def cancel(stage: Any, request_id: str) -> bool | None:
-    if not _ours(stage):
-        return None
-    from edge_core import ort_stage
-
-    return ort_stage.cancel(stage, request_id)
-
-
-@hookimpl
-def stop_stage(stage: Any) -> bool | None:
-    if not _ours(stage):
-        return None
-    from edge_core import ort_stage
-
-    return ort_stage.stop(stage)
+# Requests, cancels and shutdown of our graph stages go to the shared ONNX Runtime stage.
+stream, cancel, stop_stage = stage_hooks(_ORT_ROUTE, DML_PROVIDER)

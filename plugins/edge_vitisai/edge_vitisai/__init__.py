@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from edge_core import hookimpl
+from edge_core.ort_hooks import stage_hooks
 
 from . import _probe
 from ._probe import BACKEND, DEVICE_ID, FORMATS, PROVIDER, ROUTES
@@ -50,9 +51,6 @@ __all__ = [
 def _owns(device: Any) -> bool:
     return device.device_id == DEVICE_ID and device.backend == BACKEND
 
-
-def _ours(stage: Any) -> bool:
-    return getattr(stage, "backend", None) == BACKEND and getattr(stage, "target_provider", None) == PROVIDER
 
 
 @hookimpl
@@ -93,28 +91,5 @@ def start_stage(device: Any, plan: Any) -> Any:
                            provider_options={PROVIDER: {"cache_dir": CACHE_DIR, "cache_key": key}})
 
 
-@hookimpl
-def stream(stage: Any, request: Any) -> Any:
-    if not _ours(stage):
-        return None
-    from edge_core import ort_stage
-
-    return ort_stage.stream(stage, request)
-
-
-@hookimpl
-def cancel(stage: Any, request_id: str) -> bool | None:
-    if not _ours(stage):
-        return None
-    from edge_core import ort_stage
-
-    return ort_stage.cancel(stage, request_id)
-
-
-@hookimpl
-def stop_stage(stage: Any) -> bool | None:
-    if not _ours(stage):
-        return None
-    from edge_core import ort_stage
-
-    return ort_stage.stop(stage)
+# Requests, cancels and shutdown of our graph stages go to the shared ONNX Runtime stage.
+stream, cancel, stop_stage = stage_hooks(BACKEND, PROVIDER)
