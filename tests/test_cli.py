@@ -125,3 +125,18 @@ def test_edge_devices_imports_no_runtime():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ""
+
+
+def test_edge_plan_of_a_checkpoint_imports_no_runtime():
+    script = (
+        "import sys, io, contextlib\n"
+        "from edge_core.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['plan', '--json'])\n"
+        "heavy = [m for m in ('torch', 'vllm', 'transformers', 'onnxruntime', 'onnx', 'safetensors', 'numpy')\n"
+        "         if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ""
