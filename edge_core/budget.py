@@ -22,11 +22,7 @@ from .devices import EVIDENCE, POOLS
 #: Lifetimes, from longest to shortest.
 LIFETIMES = ("session_weights", "session", "load", "request")
 
-#: Purposes the core itself reserves; backends may add their own names.
-HEADROOM_PURPOSES = ("external_reserve", "safety_margin")
-
 MIB = 1 << 20
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,6 @@ API_MISMATCH = "api_mismatch"
 INVALID = "invalid"
 PROBE_ERROR = "probe_error"
 PROBE_TIMEOUT = "probe_timeout"
-NOT_INSTALLED = "not_installed"
 
 #: Statuses that mean the plugin works (possibly with nothing to drive here).
 HEALTHY = (LOADED, NO_DEVICES)
