@@ -147,10 +147,12 @@ def print_plan(plan: Any, elapsed_s: float) -> None:
     elif plan.admitted:
         print(f"  session   max_model_len {plan.session.max_model_len}, max_num_seqs {plan.session.max_num_seqs}, "
               f"max_num_batched_tokens {plan.session.max_num_batched_tokens}")
+    if plan.admitted and plan.reservations:
         print(f"  {'purpose':<22} {'bytes':>12}  {'pool':<9} {'lifetime':<16} ev")
         for term in plan.reservations:
             mark = "  (headroom)" if term.headroom else ""
             print(f"  {term.purpose:<22} {mib(term.bytes):>12}  {term.pool:<9} {term.lifetime:<16} {term.evidence}{mark}")
+    if plan.admitted and plan.peak is not None:
         peak = plan.peak
         print(f"  predicted peak {mib(peak.predicted_bytes)} (max of load path {mib(peak.load_path_bytes)} and "
               f"steady state {mib(peak.steady_state_bytes)}) + headroom {mib(peak.headroom_bytes)} = "
