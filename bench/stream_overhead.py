@@ -165,7 +165,7 @@ class VllmSide:
         return rate(times, counts), sum(counts)
 
     def stop(self) -> float:
-        from edge_core.vllm_stage import _reap
+        from edge_core.runtime.processes import reap
 
         started = time.perf_counter()
 
@@ -174,7 +174,7 @@ class VllmSide:
 
         self.loop.run_until_complete(shutdown())
         self.engine = None
-        _reap(self.pids)
+        reap(self.pids)
         return time.perf_counter() - started
 
 
@@ -201,11 +201,11 @@ def main() -> int:
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
 
-    from edge_core.runtime_env import apply_runtime_env
+    from edge_core.runtime.env import apply_runtime_env
 
     env = apply_runtime_env()
     from edge_core.cli import build_parser
-    from edge_core.commands import plan_from_args
+    from edge_core.cli.plan import plan_from_args
 
     plan_args = ["plan"] + (["--model", args.model] if args.model else [])
     plan, registry = plan_from_args(build_parser().parse_args(plan_args))

@@ -27,7 +27,7 @@ HD16 = ROOT / "edge_core" / "demo" / "tiny-llama-hd16"
 
 VLLM_SCRIPT = f"""
 if __name__ == "__main__":
-    from edge_core.runtime_env import apply_runtime_env
+    from edge_core.runtime.env import apply_runtime_env
     apply_runtime_env()
     from vllm import LLM, SamplingParams
     llm = LLM(model={str(HD16)!r}, max_model_len=512, max_num_seqs=1, enforce_eager=True,

@@ -5,6 +5,7 @@ group; they implement the hooks in :mod:`edge_core.hookspecs` with
 ``@edge_core.hookimpl``.
 """
 
+from ._version import __version__
 from .budget import Reservation
 from .devices import Device
 from .errors import ArtifactError, EdgeError, StageError, UsageError
@@ -12,8 +13,6 @@ from .hookspecs import API_VERSION, hookimpl
 from .host import HostFacts, NumaNode
 from .plan import Plan, Refusal, SessionSpec
 from .stream import DeltaEvent, StageRequest, StateHandle
-
-__version__ = "0.1.0"
 
 __all__ = [
     "API_VERSION",

@@ -14,8 +14,9 @@ Admission compares predicted peak + headroom with the pool's capacity.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from .devices import EVIDENCE, POOLS
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 #: Device kinds (SPEC section 3). The planner ranks private pools before shared.
 KINDS = ("cpu", "gpu_discrete", "gpu_integrated", "npu")
@@ -92,7 +93,7 @@ class Device:
             return "masked"
         return "runnable" if self.runnable else "not here"
 
-    def replace(self, **changes: Any) -> "Device":
+    def replace(self, **changes: Any) -> Device:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,11 +117,23 @@ class Device:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Device":
+    def from_dict(cls, data: Mapping[str, Any]) -> Device:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["weight_formats"] = tuple(kwargs.get("weight_formats") or ())
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class DeviceCounter:
+    """A device's own memory counter: ``read()`` returns used bytes now (None when unreadable).
+
+    ``source`` says what it counts, e.g. ``nvml used bytes (whole card)``;
+    it is reported beside the process-tree counters, never summed with them.
+    """
+
+    read: Callable[[], int | None]
+    source: str
 
 
 def parse_mask(text: str | None) -> frozenset[str]:
@@ -175,5 +188,5 @@ def load_device_list(path: str) -> tuple[list[Device], dict[str, Any]]:
             devices.append(Device.from_dict(row))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"device list {path}: devices[{index}]: {exc}") from None
-    host = doc.get("host") if isinstance(doc.get("host"), dict) else {}
-    return devices, host
+    host = doc.get("host")
+    return devices, dict(host) if isinstance(host, dict) else {}

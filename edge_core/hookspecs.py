@@ -1,8 +1,12 @@
 """The contract between edge-core and its backends.
 
 Six hooks are fixed by the product (``probe_devices``, ``weight_formats``,
-``reserve_memory``, ``start_stage``, ``stream``, ``cancel``); three more earn
-their place (``format_remedy``, ``gate_plan``, ``stop_stage``, ``verify_device``).
+``reserve_memory``, ``start_stage``, ``stream``, ``cancel``); more earn their
+place: ``format_remedy``, ``gate_plan``, ``stop_stage``, ``verify_device``, and
+three optional ones a backend implements only when it has something to say
+(``prepare_stage``, ``memory_counter``, ``reference_token_ids``) — a backend
+without them gets the safe default (nothing to prepare, no device counter,
+no parity run).
 
 Dispatch comes in two shapes:
 
@@ -20,14 +24,15 @@ is safe; renaming one breaks every plugin, so the names below are frozen for
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:  # imported for annotations only: the core stays cheap to import
     from .artifact import Manifest
     from .budget import Reservation
-    from .devices import Device
+    from .devices import Device, DeviceCounter
     from .host import HostFacts
     from .plan import Plan, Refusal, SessionSpec
     from .stream import DeltaEvent, StageRequest
@@ -44,7 +49,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def probe_devices(host: "HostFacts") -> "list[Device]":
+def probe_devices(host: HostFacts) -> list[Device]:
     """Return every device this backend can see, runnable here or not.
 
     Called on every loaded plugin; the registry merges the lists and reports a
@@ -60,7 +65,7 @@ def probe_devices(host: "HostFacts") -> "list[Device]":
 
 
 @hookspec(firstresult=True)
-def weight_formats(device: "Device") -> "list[str] | None":
+def weight_formats(device: Device) -> list[str] | None:
     """Return the artifact formats ``device`` can *execute* (not merely load).
 
     Names follow a checkpoint's ``quantization_config`` (``dense``,
@@ -72,7 +77,7 @@ def weight_formats(device: "Device") -> "list[str] | None":
 
 
 @hookspec(firstresult=True)
-def format_remedy(device: "Device", weight_format: str) -> "str | None":
+def format_remedy(device: Device, weight_format: str) -> str | None:
     """Return what to do when ``device`` cannot execute ``weight_format``.
 
     Name the builds of the model that would run on this device (the closest
@@ -84,12 +89,12 @@ def format_remedy(device: "Device", weight_format: str) -> "str | None":
 
 @hookspec(firstresult=True)
 def gate_plan(
-    device: "Device",
-    manifest: "Manifest",
-    session: "SessionSpec",
-    host: "HostFacts",
-    reservations: "list[Reservation]",
-) -> "list[Refusal] | None":
+    device: Device,
+    manifest: Manifest,
+    session: SessionSpec,
+    host: HostFacts,
+    reservations: list[Reservation],
+) -> list[Refusal] | None:
     """Return the backend's own reasons to refuse this session, or an empty list.
 
     Kernel limits (supported attention head sizes, bf16 below SM 8.0) and
@@ -103,8 +108,8 @@ def gate_plan(
 
 @hookspec(firstresult=True)
 def reserve_memory(
-    device: "Device", manifest: "Manifest", session: "SessionSpec", host: "HostFacts"
-) -> "list[Reservation] | None":
+    device: Device, manifest: Manifest, session: SessionSpec, host: HostFacts
+) -> list[Reservation] | None:
     """Return the backend's own memory terms for a planned session, in bytes.
 
     The core already reserves weights, KV cache, activations, the load
@@ -116,7 +121,7 @@ def reserve_memory(
 
 
 @hookspec(firstresult=True)
-def start_stage(device: "Device", plan: "Plan") -> Any:
+def start_stage(device: Device, plan: Plan) -> Any:
     """Start one stage on ``device`` from an admitted ``plan``; return a handle.
 
     The handle is opaque to the core and passed back to ``stream``, ``cancel``
@@ -128,7 +133,7 @@ def start_stage(device: "Device", plan: "Plan") -> Any:
 
 
 @hookspec(firstresult=True)
-def stream(stage: Any, request: "StageRequest") -> "Iterator[DeltaEvent] | None":
+def stream(stage: Any, request: StageRequest) -> Iterator[DeltaEvent] | None:
     """Run ``request`` on ``stage``; return an iterator of delta events.
 
     Each event carries only what is new since the previous one (token ids and
@@ -139,7 +144,7 @@ def stream(stage: Any, request: "StageRequest") -> "Iterator[DeltaEvent] | None"
 
 
 @hookspec(firstresult=True)
-def cancel(stage: Any, request_id: str) -> "bool | None":
+def cancel(stage: Any, request_id: str) -> bool | None:
     """Abort ``request_id`` in the backend; return True if it was in flight.
 
     Idempotent: cancelling a finished or unknown request returns False. Called
@@ -149,7 +154,7 @@ def cancel(stage: Any, request_id: str) -> "bool | None":
 
 
 @hookspec(firstresult=True)
-def stop_stage(stage: Any) -> "bool | None":
+def stop_stage(stage: Any) -> bool | None:
     """Shut the stage down, leaving no worker process, thread or queue behind.
 
     Owning backend only. Returns True once everything the stage started is gone.
@@ -157,7 +162,7 @@ def stop_stage(stage: Any) -> "bool | None":
 
 
 @hookspec(firstresult=True)
-def verify_device(device: "Device") -> "Device | None":
+def verify_device(device: Device) -> Device | None:
     """Run something tiny on ``device`` and return it with evidence upgraded to ``B``.
 
     Used by ``edge devices --verify``; may import the vendor runtime. Return
@@ -165,9 +170,45 @@ def verify_device(device: "Device") -> "Device | None":
     """
 
 
+@hookspec(firstresult=True)
+def prepare_stage(device: Device, plan: Plan, progress: Callable[[str], None] | None) -> Any:
+    """Get the machine ready for ``plan``'s stage before the memory baseline is taken; return a record.
+
+    Called by the runtime before it samples the pre-load baseline and before
+    ``start_stage``, so memory touched here is not charged to the session.
+    vLLM CPU uses it to grow the NUMA node it binds to until the node can
+    hold the KV pool (vLLM checks the node's figure of the moment). The
+    record (anything with ``to_dict()``) goes into the run's JSON;
+    ``progress``, when given, takes one-line status messages. Raise
+    :class:`~edge_core.errors.StageError` when the stage cannot start.
+    Optional; owning backend only (no answer: nothing to prepare).
+    """
+
+
+@hookspec(firstresult=True)
+def memory_counter(device: Device) -> DeviceCounter | None:
+    """Return the device's own memory counter for the sampler (NVML used bytes for a CUDA card).
+
+    The counter is read every sampling period beside the process-tree
+    counters and never summed with them. Optional; owning backend only (no
+    answer: the run has no device counter, and says so).
+    """
+
+
+@hookspec(firstresult=True)
+def reference_token_ids(device: Device, plan: Plan, prompts: list[str], max_tokens: int) -> Any:
+    """Run ``prompts`` greedily (``ignore_eos``) through the runtime alone, without edge's stage.
+
+    Returns ``(token_ids_per_prompt, info_dict)`` after every process the
+    runtime started is gone, with the plan's engine arguments and the same
+    runtime environment edge's stage uses: the other half of ``edge parity``.
+    Optional; owning backend only (no answer: parity is not available there).
+    """
+
+
 #: Hooks answered by every plugin; all others go to the owning backend alone.
 BROADCAST_HOOKS = ("probe_devices",)
 OWNER_HOOKS = (
     "weight_formats", "format_remedy", "gate_plan", "reserve_memory", "start_stage", "stream",
-    "cancel", "stop_stage", "verify_device",
+    "cancel", "stop_stage", "verify_device", "prepare_stage", "memory_counter", "reference_token_ids",
 )

@@ -102,7 +102,7 @@ class HostFacts:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HostFacts":
+    def from_dict(cls, data: dict[str, Any]) -> HostFacts:
         """Rebuild from ``to_dict`` output (a device list captured elsewhere)."""
         nodes = tuple(
             NumaNode(

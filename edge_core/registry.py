@@ -18,12 +18,14 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import pluggy
 
 from . import hookspecs
+from ._version import __version__
 from .devices import Device
 from .host import HostFacts
 
@@ -246,7 +248,7 @@ class Registry:
             what = "declares no EDGE_API_VERSION" if declared is None else f"implements edge API {declared!r}"
             record.reason = (
                 f"plugin {record.name!r} ({record.distribution or record.module}) {what}, but "
-                f"edge-core {_core_version()} implements API {hookspecs.API_VERSION}; install a "
+                f"edge-core {__version__} implements API {hookspecs.API_VERSION}; install a "
                 f"version of {record.distribution or record.name} built for this edge-core, or an "
                 f"edge-core that matches the plugin"
             )
@@ -398,12 +400,12 @@ class Registry:
     # -- tracing ---------------------------------------------------------------
 
     def _enable_tracing(self) -> None:
-        def before(hook_name: str, hook_impls: list[Any], kwargs: dict[str, Any]) -> None:
+        def before(hook_name: str, hook_impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
             names = ", ".join(impl.plugin_name for impl in hook_impls)
             args = ", ".join(f"{k}={_short(v)}" for k, v in kwargs.items())
             print(f"edge trace: {hook_name}({args}) -> [{names}]", file=sys.stderr)
 
-        def after(outcome: Any, hook_name: str, hook_impls: list[Any], kwargs: dict[str, Any]) -> None:
+        def after(outcome: Any, hook_name: str, hook_impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
             exc = outcome.exception
             shown = f"raised {type(exc).__name__}: {exc}" if exc else _short(outcome.get_result())
             print(f"edge trace: {hook_name} <- {shown}", file=sys.stderr)
@@ -430,10 +432,6 @@ def _short(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _core_version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def install_hint() -> str:

@@ -19,8 +19,14 @@ refusal is about without importing the backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import builds
+
+if TYPE_CHECKING:
+    from .devices import Device
 
 #: Interpreter kinds a route can live in. ``wsl`` is Linux under WSL 2, where a
 #: Windows interpreter is reachable as another process (``python.exe`` through
@@ -160,16 +166,14 @@ def resolve(routes: Iterable[Route], here: str, *, check: Check | None = None,
 
     A route living in this kind of interpreter resolves when ``check`` says its
     runtime is installed (default: :func:`default_check` over ``version_of``,
-    itself defaulting to :func:`edge_core.runtimes.installed_version`). A route
+    itself defaulting to :func:`edge_core.builds.installed_version`). A route
     of another interpreter kind never resolves here; its reason names that
     interpreter and whether this one can reach it.
     """
     if check is None:
         if version_of is None:
-            from . import runtimes
-
             def version_of(name: str) -> str | None:  # looked up at call time: tests patch it
-                return runtimes.installed_version(name)
+                return builds.installed_version(name)
 
         check = default_check(version_of)
     statuses = []
@@ -190,14 +194,14 @@ def resolve(routes: Iterable[Route], here: str, *, check: Check | None = None,
     return Resolution(tuple(statuses))
 
 
-def statuses_of(device: Any) -> list[Mapping[str, Any]]:
+def statuses_of(device: Device) -> list[Mapping[str, Any]]:
     """The route statuses a backend recorded on ``device`` (dicts, best first); [] when none."""
     extras = getattr(device, "extras", None) or {}
     routes = extras.get(ROUTES_EXTRA) if isinstance(extras, Mapping) else None
     return [r for r in routes if isinstance(r, Mapping)] if isinstance(routes, list) else []
 
 
-def resolved_of(device: Any) -> Mapping[str, Any] | None:
+def resolved_of(device: Device) -> Mapping[str, Any] | None:
     """The route that resolved for ``device``: the first available one matching its backend."""
     statuses = statuses_of(device)
     for status in statuses:

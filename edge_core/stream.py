@@ -24,8 +24,9 @@ import itertools
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from .errors import StageError
 
@@ -658,7 +659,7 @@ class StreamRun:
 
     # -- producer --------------------------------------------------------------
 
-    def start(self) -> "StreamRun":
+    def start(self) -> StreamRun:
         with self._lock:
             # A run cancelled before it started never starts its producer.
             if not self._started and not self._cancelling.is_set():

@@ -1,4 +1,4 @@
-"""``--backend NAME`` (edge_core.commands.only_backend): the user chooses which backend plans and runs.
+"""``--backend NAME`` (edge_core.plan.only_backend): the user chooses which backend plans and runs.
 
 The planner takes the first device that passes every gate in a fixed order;
 ``--backend`` narrows the candidates to one plugin's devices (or one backend
@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from fakes import plugin_module
 
 from edge_core import Device
+from edge_core.artifact import DEMO_MODEL
 from edge_core.cli import main
-from edge_core.commands import DEMO_MODEL, only_backend
 from edge_core.errors import UsageError
+from edge_core.plan import only_backend
 from edge_core.registry import Registry
-from fakes import plugin_module
 
 GIB = 1 << 30
 

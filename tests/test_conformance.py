@@ -222,14 +222,14 @@ BROKEN = [
     ("duplicate_id", {"test_device_ids_are_unique_and_stable"}),
     ("unstable_id", {"test_device_ids_are_unique_and_stable"}),
     ("answers_foreign", {"test_planning_hooks_answer_only_for_owned_devices"}),
-    ("double_counts_weights", {"test_reserve_memory_terms_are_well_formed"}),
-    ("wrong_device", {"test_stage_reports_the_device_that_executed_it"}),
+    ("double_counts_weights", {"test_hook_reserve_memory_terms_are_well_formed"}),
+    ("wrong_device", {"test_hook_start_stage_reports_the_device_that_executed_it"}),
     # A stream that breaks the contract also breaks the cancel check, which streams too.
-    ("cumulative", {"test_stream_yields_delta_events_in_sequence", "test_cancel_retires_the_epoch_and_is_idempotent"}),
-    ("ignores_epoch", {"test_stream_yields_delta_events_in_sequence", "test_cancel_retires_the_epoch_and_is_idempotent"}),
-    ("cancel_not_idempotent", {"test_cancel_retires_the_epoch_and_is_idempotent"}),
-    ("leaks_child", {"test_stop_stage_leaves_nothing_running"}),
-    ("verify_keeps_evidence", {"test_verify_device_upgrades_evidence"}),
+    ("cumulative", {"test_hook_stream_yields_delta_events_in_sequence", "test_hook_cancel_retires_the_epoch_and_is_idempotent"}),
+    ("ignores_epoch", {"test_hook_stream_yields_delta_events_in_sequence", "test_hook_cancel_retires_the_epoch_and_is_idempotent"}),
+    ("cancel_not_idempotent", {"test_hook_cancel_retires_the_epoch_and_is_idempotent"}),
+    ("leaks_child", {"test_hook_stop_stage_leaves_nothing_running"}),
+    ("verify_keeps_evidence", {"test_hook_verify_device_upgrades_evidence"}),
 ]
 
 

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
-from edge_core.host import parse_cpuinfo, parse_meminfo, read_host
 from fakes import GIB
+
+from edge_core.host import parse_cpuinfo, parse_meminfo, read_host
 
 
 def test_reads_memory_cores_and_flags_from_the_tree(host_tree):

@@ -9,10 +9,11 @@ checked against the installed vLLM's own spec classes where vLLM is importable.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edge_core.errors import ArtifactError, UsageError
-from edge_core.kv import estimate_kv, kv_layout, max_model_len_for
+from edge_core.plan.kv import estimate_kv, kv_layout, max_model_len_for
 
 MIB = 1 << 20
 GIB = 1 << 30

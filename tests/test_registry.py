@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+from fakes import FakeEntryPoint, plugin_module
 
 from edge_core import Device
 from edge_core.host import read_host
 from edge_core.registry import Registry
-from fakes import FakeEntryPoint, plugin_module
 
 
 def device(device_id="gpu_discrete:toy", **changes):

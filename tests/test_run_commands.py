@@ -1,4 +1,4 @@
-"""``edge run``, ``edge accept`` and ``edge parity`` (edge_core/run_commands.py).
+"""``edge run``, ``edge accept`` and ``edge parity`` (edge_core/cli/run.py over edge_core/runtime/).
 
 The hermetic tests check the record-building pieces with fake measurements;
 the ``vllm`` tests run the real commands in a subprocess on the demo
@@ -19,9 +19,10 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from edge_core.commands import DEMO_DIR
-from edge_core.measure import CounterReport, MemoryReport
-from edge_core.run_commands import PROMPTS, budget_lines, first_divergence, memory_record
+from edge_core.artifact import DEMO_DIR
+from edge_core.cli.run import budget_lines
+from edge_core.runtime import PROMPTS, first_divergence, memory_record
+from edge_core.runtime.measure import CounterReport, MemoryReport
 
 MIB = 1 << 20
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]

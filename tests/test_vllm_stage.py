@@ -36,7 +36,7 @@ class StageHolder:
 
     def __init__(self) -> None:
         from edge_core.cli import build_parser
-        from edge_core.commands import plan_from_args
+        from edge_core.cli.plan import plan_from_args
 
         self.plan, self.registry = plan_from_args(build_parser().parse_args(["plan"]))
         assert self.plan.admitted, [r.message for r in self.plan.refusals]
@@ -156,7 +156,7 @@ class TestRealStage:
         probe.cancel()
         assert first.seq == 0
         fenced = 0
-        for attempt in range(20):
+        for _attempt in range(20):
             request = StageRequest(prompt_token_ids=prompt_ids, max_tokens=256, ignore_eos=True,
                                    epoch=rng.randrange(1, 10_000))
             run = held.run(request).start()
@@ -172,7 +172,7 @@ class TestRealStage:
         rng = random.Random(11)
         reference = _tokens(held.run(StageRequest(prompt="Tokens arrive one at a time", max_tokens=64,
                                                   ignore_eos=True)).collect(120))
-        for attempt in range(20):
+        for _attempt in range(20):
             request = StageRequest(prompt="Tokens arrive one at a time", max_tokens=1500, ignore_eos=True,
                                    epoch=rng.randrange(1, 10_000))
             run = held.run(request)
@@ -249,13 +249,13 @@ class TestRealStage:
 def test_merging_reader_joins_waiting_deltas_and_keeps_an_error_for_later():
     import queue
 
-    from edge_core.vllm_stage import _MergingReader
+    from edge_core.runtime.vllm_stage import MergingReader
 
     outputs = queue.SimpleQueue()
     for item in [("out", ((1,), "a", None)), ("out", ((2, 3), "bc", None)), ("error", ValueError("boom")),
                  ("out", ((4,), "d", "length"))]:
         outputs.put(item)
-    reader = _MergingReader(outputs)
+    reader = MergingReader(outputs)
     assert reader.next() == ("out", ((1, 2, 3), "abc", None))
     kind, payload = reader.next()
     assert kind == "error" and str(payload) == "boom"
@@ -265,12 +265,12 @@ def test_merging_reader_joins_waiting_deltas_and_keeps_an_error_for_later():
 def test_merging_stops_at_the_final_delta():
     import queue
 
-    from edge_core.vllm_stage import _MergingReader
+    from edge_core.runtime.vllm_stage import MergingReader
 
     outputs = queue.SimpleQueue()
     for item in [("out", ((1,), "a", None)), ("out", ((2,), "b", "length")), ("out", ((9,), "z", None))]:
         outputs.put(item)
-    assert _MergingReader(outputs).next() == ("out", ((1, 2), "ab", "length"))
+    assert MergingReader(outputs).next() == ("out", ((1, 2), "ab", "length"))
 
 
 def _gpu(**extras):
@@ -282,7 +282,7 @@ def _gpu(**extras):
 
 
 def test_a_cuda_stage_sees_only_the_card_it_was_planned_on():
-    from edge_core.vllm_stage import pin_cuda_device
+    from edge_core.runtime.vllm_stage import pin_cuda_device
 
     env = {"CUDA_VISIBLE_DEVICES": "0,1"}
     pinned = pin_cuda_device(_gpu(uuid="GPU-1234abcd", nvml_index=1), env)
@@ -297,7 +297,7 @@ def test_a_cuda_stage_sees_only_the_card_it_was_planned_on():
 
 def test_a_cpu_stage_changes_no_gpu_visibility():
     from edge_core.devices import Device
-    from edge_core.vllm_stage import pin_cuda_device
+    from edge_core.runtime.vllm_stage import pin_cuda_device
 
     cpu = Device(device_id="cpu", kind="cpu", vendor="amd", name="EPYC", backend="vllm:cpu", runnable=True,
                  memory_pool="host_ram", memory_bytes=0, evidence={"found": "D"})
@@ -311,10 +311,10 @@ def test_spawned_helper_lands_in_its_own_process_group():
     import multiprocessing
     import os
 
-    from edge_core.vllm_stage import _OwnProcessGroup
+    from edge_core.runtime.processes import OwnProcessGroup
 
     context = multiprocessing.get_context("spawn")
-    with _OwnProcessGroup():
+    with OwnProcessGroup():
         child = context.Process(target=time.sleep, args=(5,))
         child.start()
     try:

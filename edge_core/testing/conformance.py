@@ -35,8 +35,9 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 try:
     import pytest
@@ -45,10 +46,12 @@ except ImportError as exc:  # pragma: no cover - only without the test extra
         "edge_core.testing needs pytest; install it with `pip install 'edge-core[test]'`"
     ) from exc
 
+from ..artifact import DEMO_MODEL, read_manifest
 from ..budget import LIFETIMES, Reservation
 from ..devices import EVIDENCE, KINDS, POOLS, Device
 from ..hookspecs import API_VERSION, BROADCAST_HOOKS, OWNER_HOOKS
 from ..host import HostFacts, NumaNode, read_host
+from ..plan import STAGE_ONLY_KINDS, SessionSpec, candidate_order, make_plan, resolve_session
 from ..registry import ENTRY_POINT_GROUP, HEALTHY, LOADED, Registry
 from ..stream import DeltaEvent, StageRequest, StateHandle, StreamRun
 
@@ -101,8 +104,6 @@ def fake_hosts() -> dict[str, HostFacts]:
 
 
 def _demo_model() -> Path:
-    from ..commands import DEMO_MODEL
-
     return DEMO_MODEL
 
 
@@ -175,6 +176,7 @@ class _StageEnv:
 
             self.children_before = {p.pid for p in psutil.Process().children(recursive=True)}
             self.threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
+            self.call("prepare_stage", plan=self.plan, progress=None)  # optional hook: None when absent
             self.handle = self.call("start_stage", plan=self.plan)
             self.stopped = False
             assert self.handle is not None, (
@@ -277,7 +279,6 @@ class BackendConformance:
     @classmethod
     def _session_devices(cls, registry: Registry) -> list[Device]:
         """Runnable devices that could take a whole checkpoint session, or skip saying why."""
-        from ..plan import STAGE_ONLY_KINDS
 
         devices = cls._probe(registry, cls._host())
         runnable = [d for d in devices if d.runnable and not d.masked]
@@ -376,7 +377,7 @@ class BackendConformance:
         again = Device.from_dict(data)
         assert _json_roundtrip(again.to_dict()) == data, f"{where}: does not survive a JSON round trip"
 
-    def test_probe_returns_well_formed_devices(self, registry: Registry) -> None:
+    def test_hook_probe_devices_returns_well_formed_devices(self, registry: Registry) -> None:
         devices = self._probe(registry, self._host())
         for device in devices:
             self._check_device(device)
@@ -407,8 +408,6 @@ class BackendConformance:
         """A device another plugin reported gets None (the registry would also never send it)."""
         if hook not in registry.records[self._name()].hooks:
             pytest.skip(f"plugin {self._name()!r} does not implement {hook}")
-        from ..artifact import read_manifest
-        from ..plan import SessionSpec
 
         manifest = read_manifest(str(self.stage_model or _demo_model()))
         session = SessionSpec(max_model_len=self.stage_max_model_len, max_num_batched_tokens=self.stage_max_model_len)
@@ -442,9 +441,7 @@ class BackendConformance:
                     f"format_remedy({device.device_id}, {fmt!r}) returned {remedy!r}; a remedy is text or None"
                 )
 
-    def test_reserve_memory_terms_are_well_formed(self, registry: Registry) -> None:
-        from ..artifact import read_manifest
-        from ..plan import SessionSpec, resolve_session
+    def test_hook_reserve_memory_terms_are_well_formed(self, registry: Registry) -> None:
 
         if "reserve_memory" not in registry.records[self._name()].hooks:
             pytest.skip(f"plugin {self._name()!r} does not implement reserve_memory (it adds no memory terms)")
@@ -472,7 +469,7 @@ class BackendConformance:
             assert again == terms, "reserve_memory gave different terms for the same plan twice"
 
     @pytest.mark.slow
-    def test_verify_device_upgrades_evidence(self, registry: Registry) -> None:
+    def test_hook_verify_device_upgrades_evidence(self, registry: Registry) -> None:
         """``edge devices --verify``: the same device back with ``runnable`` evidence B, or None."""
         if "verify_device" not in registry.records[self._name()].hooks:
             pytest.skip(f"plugin {self._name()!r} has no verify_device hook")
@@ -498,7 +495,6 @@ class BackendConformance:
     @pytest.fixture(scope="class")
     @classmethod
     def stage_env(cls) -> Iterator[_StageEnv]:
-        from ..plan import SessionSpec, candidate_order, make_plan
 
         registry, record = cls._fresh_registry()
         env: _StageEnv | None = None
@@ -541,7 +537,7 @@ class BackendConformance:
         )
 
     @pytest.mark.slow
-    def test_stage_reports_the_device_that_executed_it(self, stage_env: _StageEnv) -> None:
+    def test_hook_start_stage_reports_the_device_that_executed_it(self, stage_env: _StageEnv) -> None:
         stage = stage_env.started()
         executed_on = getattr(stage, "executed_on", None)
         probed = list(stage_env.registry.records[stage_env.name].device_ids)
@@ -557,7 +553,7 @@ class BackendConformance:
         assert state.artifact_id == stage_env.plan.manifest.artifact_id
 
     @pytest.mark.slow
-    def test_stream_yields_delta_events_in_sequence(self, stage_env: _StageEnv) -> None:
+    def test_hook_stream_yields_delta_events_in_sequence(self, stage_env: _StageEnv) -> None:
         # A non-zero epoch: the backend must carry the request's epoch, not assume 0.
         request = self._request(self.stage_max_tokens, epoch=3)
         events = self._run(stage_env, request).collect(idle_timeout_s=self.stage_idle_timeout_s)
@@ -586,7 +582,7 @@ class BackendConformance:
         assert first == second, "greedy decoding of the same prompt gave different token ids"
 
     @pytest.mark.slow
-    def test_cancel_retires_the_epoch_and_is_idempotent(self, stage_env: _StageEnv) -> None:
+    def test_hook_cancel_retires_the_epoch_and_is_idempotent(self, stage_env: _StageEnv) -> None:
         request = self._request(self.cancel_max_tokens, epoch=1)
         # One event of room: after the first is read, the producer fills the queue and
         # blocks, so the request is provably still open when cancel runs.
@@ -616,7 +612,7 @@ class BackendConformance:
         assert sum(len(e.token_ids) for e in after) == self.stage_max_tokens
 
     @pytest.mark.slow
-    def test_stop_stage_leaves_nothing_running(self, stage_env: _StageEnv) -> None:
+    def test_hook_stop_stage_leaves_nothing_running(self, stage_env: _StageEnv) -> None:
         stage_env.started()
         children_before, threads_before = stage_env.children_before, stage_env.threads_before
         stopped = stage_env.stop()

@@ -12,8 +12,9 @@ import gc
 import inspect
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from edge_core.errors import StageError
 from edge_core.stream import DeltaEvent, StageRequest, StateHandle

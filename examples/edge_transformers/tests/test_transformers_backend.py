@@ -11,8 +11,7 @@ import dataclasses
 import pytest
 
 import edge_transformers
-from edge_core.artifact import read_manifest
-from edge_core.commands import DEMO_MODEL
+from edge_core.artifact import DEMO_MODEL, read_manifest
 from edge_core.errors import StageError
 from edge_core.host import HostFacts
 from edge_core.plan import SessionSpec, make_plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import Device, HostFacts, hookimpl
-from edge_core.vllm_hooks import cancel, start_stage, stop_stage, stream  # stages run on vLLM
+from edge_core.vllm_hooks import cancel, reference_token_ids, start_stage, stop_stage, stream  # stages run on vLLM
 
 from . import _gates, _memory, _probe
 
@@ -18,7 +18,9 @@ __all__ = [
     "EDGE_API_VERSION",
     "cancel",
     "gate_plan",
+    "prepare_stage",
     "probe_devices",
+    "reference_token_ids",
     "reserve_memory",
     "start_stage",
     "stop_stage",
@@ -66,6 +68,11 @@ def reserve_memory(device: Device, manifest: Any, session: Any, host: HostFacts)
 
 
 
+@hookimpl
+def prepare_stage(device: Device, plan: Any, progress: Any) -> Any:
+    if not _owns(device):
+        return None
+    return _memory.prepare_node(plan, progress)
 
 
 @hookimpl

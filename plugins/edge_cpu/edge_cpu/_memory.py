@@ -7,9 +7,11 @@ weight is read, and the planner must count it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from edge_core import HostFacts, Reservation
+from edge_core.host import read_host
 
 #: Tree PSS of a vLLM CPU session before weights and KV, in bytes (evidence E).
 #: PSS splits a shared page between the processes mapping it, so the figure
@@ -53,3 +55,18 @@ def reservations(manifest: Any, session: Any, host: HostFacts) -> list[Reservati
             "(tree PSS measured before weights and KV)",
         )
     ]
+
+
+def prepare_node(plan: Any, progress: Callable[[str], None] | None) -> Any:
+    """Grow the NUMA node vLLM CPU will bind to until it can hold the plan's KV pool (the ``prepare_stage`` hook).
+
+    Which node that is, is this backend's rule (:func:`._gates.bound_node`,
+    the one the planner's node gate uses too); the node arithmetic and the
+    growing are edge-core's (:func:`edge_core.runtime.vllm_stage.prepare_node_for`).
+    """
+    from edge_core.runtime.vllm_stage import prepare_node_for
+
+    from ._gates import bound_node
+
+    node = bound_node(read_host())
+    return prepare_node_for(plan, node.node_id if node is not None else None, progress)

@@ -6,7 +6,7 @@ Decided from installed metadata and ``/proc`` only: no import of vllm or torch.
 from __future__ import annotations
 
 from edge_core import Device, HostFacts
-from edge_core.runtimes import vllm_build_for
+from edge_core.builds import vllm_build_for
 
 BACKEND = "vllm:cpu"
 DEVICE_ID = "cpu"
@@ -90,8 +90,8 @@ def verify(device: Device) -> Device:
     Costs the ~3 s vLLM import, which is why only ``edge devices --verify`` does it.
     """
     try:
-        from vllm.platforms import current_platform
         import torch
+        from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
             raise RuntimeError(f"vLLM resolved platform {current_platform.device_name!r}, not cpu")

@@ -6,10 +6,9 @@ import types
 
 import pytest
 
-from edge_core import Reservation, runtimes
-from edge_core.host import HostFacts, NumaNode
-
 import edge_cpu
+from edge_core import Reservation, builds
+from edge_core.host import HostFacts, NumaNode
 from edge_cpu import _gates
 
 GIB = 1 << 30
@@ -28,7 +27,7 @@ def installed(monkeypatch):
     """Pretend exactly these distributions are installed."""
     def set_installed(**versions):
         table = {name.replace("_", "-"): version for name, version in versions.items()}
-        monkeypatch.setattr(runtimes, "installed_version", lambda dist: table.get(dist))
+        monkeypatch.setattr(builds, "installed_version", lambda dist: table.get(dist))
     return set_installed
 
 
@@ -101,8 +100,11 @@ def test_head_size_follows_config(config, expected):
     assert _gates.head_size(config) == expected
 
 
-def test_head_dim_16_is_refused_before_load():
-    [refusal] = _gates.gate(_cpu_device(), _manifest(hidden_size=128, num_attention_heads=8), None, host(), [])
+def test_hook_gate_plan_refuses_head_dim_16_before_load():
+    import edge_cpu
+
+    [refusal] = edge_cpu.gate_plan(device=_cpu_device(), manifest=_manifest(hidden_size=128, num_attention_heads=8),
+                                   session=None, host=host(), reservations=[])
     assert refusal.code == "kernel_unsupported" and "head_dim=16" in refusal.message
     assert refusal.device_id == "cpu"
 
@@ -175,3 +177,31 @@ def test_verify_runs_a_matmul_through_the_installed_runtime():
     assert verified.runnable, verified.reason
     assert verified.evidence["runnable"] == "B"
     assert "vllm platform cpu" in verified.extras["verified"]
+
+
+def test_bound_node_follows_the_bind_variable():
+    h = host(numa_nodes=TWO_NODES)
+    assert _gates.bound_node(h, {}).node_id == 0
+    assert _gates.bound_node(h, {"VLLM_CPU_OMP_THREADS_BIND": "4-7"}).node_id == 1
+    assert _gates.bound_node(h, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}).node_id == 0
+    assert _gates.bound_node(host(numa_nodes=())) is None
+
+
+def test_hook_prepare_stage_grows_the_node_the_planner_gated(monkeypatch):
+    """prepare_stage hands the node of the planner's own rule to the core's node preparation."""
+    import edge_cpu
+    from edge_core.runtime import vllm_stage
+
+    seen = {}
+
+    def fake_prepare(plan, node_id, progress):
+        seen.update(plan=plan, node_id=node_id)
+        return "prepared"
+
+    monkeypatch.setattr(vllm_stage, "prepare_node_for", fake_prepare)
+    monkeypatch.setattr(edge_cpu._memory, "read_host", lambda: host(numa_nodes=TWO_NODES))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "4-7")
+    assert edge_cpu.prepare_stage(_cpu_device(), plan="the plan", progress=None) == "prepared"
+    assert seen == {"plan": "the plan", "node_id": 1}
+    assert edge_cpu.prepare_stage(_cpu_device().replace(device_id="cuda:0", kind="gpu_discrete",
+                                                         memory_pool="vram"), plan=None, progress=None) is None

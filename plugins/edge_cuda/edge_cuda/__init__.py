@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import hookimpl
-from edge_core.vllm_hooks import cancel, start_stage, stop_stage, stream  # stages run on vLLM
+from edge_core.vllm_hooks import cancel, reference_token_ids, start_stage, stop_stage, stream  # stages run on vLLM
 
-from . import _capability, _memory, _probe
+from . import _capability, _counter, _memory, _probe
 
 EDGE_API_VERSION = 1
 
@@ -29,7 +29,9 @@ __all__ = [
     "format_remedy",
     "gate_plan",
     "last_probe_note",
+    "memory_counter",
     "probe_devices",
+    "reference_token_ids",
     "reserve_memory",
     "start_stage",
     "stop_stage",
@@ -71,3 +73,10 @@ def reserve_memory(device: Any, manifest: Any, session: Any, host: Any) -> list 
     if not _capability.owns(device):
         return None
     return _memory.reservations(session)
+
+
+@hookimpl
+def memory_counter(device: Any) -> Any:
+    if not _capability.owns(device):
+        return None
+    return _counter.nvml_counter(device)

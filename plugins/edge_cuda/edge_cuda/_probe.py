@@ -3,17 +3,18 @@
 NVML (``pynvml`` from nvidia-ml-py) is a thin wrapper over the driver's
 ``libnvidia-ml``: a probe costs milliseconds and needs neither torch nor a CUDA
 context. Whether the GPUs are *runnable* is decided from installed metadata
-(:func:`edge_core.runtimes.vllm_build_for`), never by importing vLLM.
+(:func:`edge_core.builds.vllm_build_for`), never by importing vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
-from edge_core import runtimes
+from edge_core import builds
 from edge_core.devices import Device
 
 from ._capability import BACKEND, MIN_SM, formats_for
@@ -144,16 +145,16 @@ def _uuid(nvml: Any, error: type, index: int) -> str | None:
 
 def _runtime_reason() -> str | None:
     """None when a CUDA build of vLLM is installed here, else why not and what to do."""
-    build, why = runtimes.vllm_build_for("cuda")
+    build, why = builds.vllm_build_for("cuda")
     if build is not None:
         return None
-    builds = runtimes.vllm_builds()
-    if not builds:
+    installed = builds.vllm_builds()
+    if not installed:
         return (
             f"{why}: pip install edge-cuda (pulls vllm, the CUDA build), or pip install vllm "
             "if edge-cuda was installed with --no-deps"
         )
-    if any(b.platform == "cuda" for b in builds):
+    if any(b.platform == "cuda" for b in installed):
         return why  # two builds collide; the message already says keep one
     return f"{why}: pip install edge-cuda (pulls vllm, the CUDA build) in a separate venv"
 

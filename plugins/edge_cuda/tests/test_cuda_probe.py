@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import pluggy
 import pytest
 
+import edge_core.builds
 import edge_core.hookspecs
-import edge_core.runtimes
 import edge_cuda
 from edge_core.devices import Device
 from edge_core.host import HostFacts
@@ -85,9 +85,9 @@ P100 = FakeGPU("Tesla P100-PCIE-16GB", (6, 0), 16 * GiB, 16 * GiB, "GPU-p100")
 
 @pytest.fixture
 def metadata(monkeypatch):
-    """Set which distributions edge_core.runtimes sees as installed."""
+    """Set which distributions edge_core.builds sees as installed."""
     installed: dict[str, str] = {}
-    monkeypatch.setattr(edge_core.runtimes, "installed_version", installed.get)
+    monkeypatch.setattr(edge_core.builds, "installed_version", installed.get)
     return installed
 
 
@@ -238,7 +238,7 @@ def test_runnable_follows_installed_vllm_build(metadata, installed, runnable, wo
         assert word in device.reason
 
 
-def test_weight_formats_answers_only_for_cuda_devices(metadata):
+def test_hook_weight_formats_answers_only_for_cuda_devices(metadata):
     (device,), _ = probe([RTX5090_LAPTOP])
     assert edge_cuda.weight_formats(device=device) == list(device.weight_formats)
     cpu = Device(
@@ -260,7 +260,7 @@ def test_weight_formats_of_a_captured_device_follow_its_capability():
     assert "modelopt_fp4" not in formats
 
 
-def test_int8_remedy_on_blackwell_names_fp8_dense_and_the_cpu_venv(metadata):
+def test_hook_format_remedy_for_int8_on_blackwell_names_fp8_dense_and_the_cpu_venv(metadata):
     (device,), _ = probe([RTX5090_LAPTOP])
     remedy = edge_cuda.format_remedy(device=device, weight_format="compressed-tensors:int8")
     assert "fp8 (compressed-tensors:fp8 / fp8)" in remedy
@@ -298,7 +298,7 @@ def test_entry_point_is_registered_when_installed():
     assert points.get("cuda") == "edge_cuda"
 
 
-def test_context_is_reserved_always_and_the_graph_pool_only_when_not_eager(metadata):
+def test_hook_reserve_memory_holds_the_context_always_and_the_graph_pool_only_when_not_eager(metadata):
     from types import SimpleNamespace
 
     (device,), _ = probe([H100])
@@ -309,3 +309,29 @@ def test_context_is_reserved_always_and_the_graph_pool_only_when_not_eager(metad
     assert [t.purpose for t in eager] == ["cuda_context"]
     assert [t.purpose for t in graphs] == ["cuda_context", "graph_pool"]
     assert all(t.pool == "vram" and t.evidence == "E" for t in graphs)
+
+
+def test_hook_memory_counter_reads_nvml_used_bytes_of_the_planned_card(metadata, monkeypatch):
+    """The sampler's device counter is NVML's used bytes of the card the plan selected, by NVML index."""
+    from edge_cuda import _counter
+
+    gpus = [FakeGPU("GPU A", (9, 0), 80 * GiB, 70 * GiB, "GPU-a"), FakeGPU("GPU B", (9, 0), 80 * GiB, 50 * GiB, "GPU-b")]
+    nvml = fake_nvml(gpus)
+    devices, _ = _probe.probe(None, nvml=nvml, environ={})
+    second = next(d for d in devices if d.extras.get("nvml_index") == 1)
+    counter = _counter.nvml_counter(second, nvml=nvml)
+    assert counter.source == "nvml used bytes (whole card)"
+    assert counter.read() == 30 * GiB  # B's total - free, not A's 10 GiB
+    gpus[1].free = 20 * GiB
+    assert counter.read() == 60 * GiB  # read live every period
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert edge_cuda.memory_counter(device=second).read() == 60 * GiB
+    foreign = second.replace(device_id="cpu", kind="cpu", memory_pool="host_ram", backend="vllm:cpu")
+    assert edge_cuda.memory_counter(device=foreign) is None
+
+
+def test_memory_counter_without_a_driver_is_none_not_a_crash():
+    from edge_cuda import _counter
+
+    (device,), _ = probe([H100])
+    assert _counter.nvml_counter(device, nvml=fake_nvml([H100], init_error="Driver Not Loaded")) is None

@@ -7,7 +7,7 @@ shared route mechanism: onnxruntime-directml in a Windows Python,
 torch-directml under WSL) decides the backend and the exported formats it
 executes; with no route the format set is empty and the reason names what to
 install or which interpreter to use. ONNX graph stages run through edge-core's
-shared graph-stage runtime (:mod:`edge_core.ort_stage`) with DirectML as the
+shared graph-stage runtime (:mod:`edge_core.runtime.ort_stage`) with DirectML as the
 placement target, imported only when a stage starts.
 """
 
@@ -49,7 +49,6 @@ def _owns(device: Any) -> bool:
         device.backend is None or device.backend in ROUTES_BY_BACKEND)
 
 
-
 @hookimpl
 def probe_devices(host: Any) -> list:
     global last_probe_note
@@ -89,14 +88,21 @@ def verify_device(device: Any) -> Any:
 def start_stage(device: Any, plan: Any) -> Any:
     if not _owns(device):
         return None
-    from edge_core import ort_stage
     from edge_core.errors import StageError
+    from edge_core.runtime import ort_stage
 
     if device.backend != _ORT_ROUTE:
         raise StageError(f"{device.device_id} is reached through {device.backend}, which runs torch exports; "
                          "edge runs ONNX graph stages through onnxruntime-directml (a Windows Python)")
     return ort_stage.start(device, plan, providers=(DML_PROVIDER, ort_stage.CPU_PROVIDER),
-                           target_provider=DML_PROVIDER)
+                           target_provider=DML_PROVIDER, configure=session_options_for_dml)
+
+
+def session_options_for_dml(ort: Any, options: Any, providers: list[str]) -> None:
+    """DirectML cannot run with memory patterns or parallel execution (ONNX Runtime's DML EP docs)."""
+    if DML_PROVIDER in providers:
+        options.enable_mem_pattern = False
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
 
 
 # Requests, cancels and shutdown of our graph stages go to the shared ONNX Runtime stage.

@@ -21,8 +21,9 @@ import logging
 import os
 import platform as _platform
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from edge_core.devices import Device
 from edge_core.routes import ROUTES_EXTRA

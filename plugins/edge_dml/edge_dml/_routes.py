@@ -11,9 +11,10 @@ another interpreter (from WSL, the Windows Python holding onnxruntime-directml).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from edge_core.routes import Resolution, Route, resolve as resolve_routes
+from edge_core.routes import Resolution, Route
+from edge_core.routes import resolve as resolve_routes
 
 #: fp32 throughput measured on a Ryzen AI laptop (SPEC section 4), TFLOP/s:
 #: DirectML under WSL against the CPU it shares memory with. The DirectML route
@@ -59,6 +60,6 @@ def resolve(platform: str, version_of: Callable[[str], str | None] | None = None
     """Every DirectML route's status from an interpreter of kind ``platform`` (``windows``, ``wsl``, ``linux``).
 
     ``version_of`` looks up an installed distribution's version; it defaults to
-    :func:`edge_core.runtimes.installed_version`, looked up at call time.
+    :func:`edge_core.builds.installed_version`, looked up at call time.
     """
     return resolve_routes(ROUTES, platform, version_of=version_of)

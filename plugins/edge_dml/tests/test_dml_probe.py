@@ -12,8 +12,8 @@ from pathlib import Path
 import pluggy
 import pytest
 
+import edge_core.builds
 import edge_core.hookspecs
-import edge_core.runtimes
 import edge_dml
 from edge_core.devices import Device
 from edge_dml import _probe, _routes
@@ -42,9 +42,9 @@ def make_root(tmp_path: Path, cards=(), wsl=False, dxg=False) -> Path:
 
 @pytest.fixture
 def installed(monkeypatch):
-    """Distributions edge_core.runtimes reports as installed (name -> version)."""
+    """Distributions edge_core.builds reports as installed (name -> version)."""
     versions: dict[str, str] = {}
-    monkeypatch.setattr(edge_core.runtimes, "installed_version", versions.get)
+    monkeypatch.setattr(edge_core.builds, "installed_version", versions.get)
     return versions
 
 

@@ -14,15 +14,15 @@ import types
 from pathlib import Path
 
 import pytest
+from test_dml_probe import AMD, RYZEN_AI_WINDOWS, fake_winreg, make_root
 
 import edge_dml
 from edge_core.errors import PluginError
 from edge_core.host import HostFacts
-from edge_core.plan import SessionSpec, make_plan
+from edge_core.plan import HostLedger, SessionSpec, make_plan
 from edge_core.registry import Registry
-from edge_core.stages import HostLedger, run_graph_stage
+from edge_core.runtime import run_graph_stage
 from edge_dml import _probe
-from test_dml_probe import AMD, RYZEN_AI_WINDOWS, fake_winreg, make_root
 
 REPO = Path(__file__).resolve().parents[3]
 EXPORT_SCRIPT = REPO / "scripts" / "export_stage.py"
@@ -33,10 +33,10 @@ CPU_EP = "CPUExecutionProvider"
 
 @pytest.fixture
 def installed(monkeypatch):
-    import edge_core.runtimes
+    import edge_core.builds
 
     versions: dict[str, str] = {}
-    monkeypatch.setattr(edge_core.runtimes, "installed_version", versions.get)
+    monkeypatch.setattr(edge_core.builds, "installed_version", versions.get)
     return versions
 
 

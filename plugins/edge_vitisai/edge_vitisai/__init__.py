@@ -7,7 +7,7 @@ interpreter kind (``_probe.ROUTES``: Windows, or Linux with amdxdna; from WSL th
 Windows route is another interpreter). Probing reads ``/sys`` and installed
 metadata; ``verify_device`` and the stage hooks are the only places that
 import onnxruntime, through edge-core's shared graph-stage runtime
-(:mod:`edge_core.ort_stage`), with VitisAI as the placement target.
+(:mod:`edge_core.runtime.ort_stage`), with VitisAI as the placement target.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ def _owns(device: Any) -> bool:
     return device.device_id == DEVICE_ID and device.backend == BACKEND
 
 
-
 @hookimpl
 def probe_devices(host: Any) -> list:
     global last_probe_note
@@ -84,7 +83,7 @@ def verify_device(device: Any) -> Any:
 def start_stage(device: Any, plan: Any) -> Any:
     if not _owns(device):
         return None
-    from edge_core import ort_stage
+    from edge_core.runtime import ort_stage
 
     key = plan.manifest.artifact_id
     return ort_stage.start(device, plan, providers=(PROVIDER, ort_stage.CPU_PROVIDER), target_provider=PROVIDER,

@@ -20,11 +20,12 @@ import logging
 import os
 import platform as _platform
 import re
+from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from edge_core import runtimes
+from edge_core import builds
 from edge_core.devices import Device
 from edge_core.routes import ROUTES_EXTRA, Resolution, Route
 from edge_core.routes import resolve as resolve_routes
@@ -91,7 +92,7 @@ def find_runtime(
     files_of: Callable[[str], Iterable[str] | None] | None = None,
 ) -> tuple[str, str] | None:
     """(distribution, version) of an installed ONNX Runtime with the VitisAI EP, or None."""
-    version_of = version_of or (lambda name: runtimes.installed_version(name))
+    version_of = version_of or (lambda name: builds.installed_version(name))
     files_of = files_of or _files
     for name in RUNTIME_DISTRIBUTIONS:
         version = version_of(name)

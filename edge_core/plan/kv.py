@@ -20,10 +20,11 @@ rule: the longest context whose charge fits a byte budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from .errors import ArtifactError, UsageError
+from ..errors import ArtifactError, UsageError
 
 #: Layer kinds. ``mla`` is full attention over a compressed latent (one
 #: "head" of kv_lora_rank + qk_rope_head_dim elements, not doubled for K/V).
@@ -215,9 +216,8 @@ def _unreadable(message: str) -> ArtifactError:
     return ArtifactError("config_unreadable", message, _REMEDY)
 
 
-def _int(config: Mapping[str, Any], names: tuple[str, ...], *, required: bool = True,
-         minimum: int = 1, what: str = "") -> int | None:
-    """The first of ``names`` the config sets (a null counts as unset)."""
+def _opt(config: Mapping[str, Any], names: tuple[str, ...], *, minimum: int = 1) -> int | None:
+    """The first of ``names`` the config sets (a null counts as unset), or None."""
     for name in names:
         value = config.get(name)
         if value is None:
@@ -228,10 +228,16 @@ def _int(config: Mapping[str, Any], names: tuple[str, ...], *, required: bool = 
         if value < minimum:
             raise _unreadable(f"config field {name!r} must be >= {minimum}, got {value}")
         return value
-    if required:
+    return None
+
+
+def _req(config: Mapping[str, Any], names: tuple[str, ...], *, minimum: int = 1, what: str = "") -> int:
+    """The first of ``names`` the config sets; ``config_unreadable`` when none does."""
+    value = _opt(config, names, minimum=minimum)
+    if value is None:
         label = f" ({what})" if what else ""
         raise _unreadable(f"config has no {' / '.join(repr(n) for n in names)}{label}")
-    return None
+    return value
 
 
 def _window(config: Mapping[str, Any], name: str = "sliding_window") -> int | None:
@@ -239,24 +245,24 @@ def _window(config: Mapping[str, Any], name: str = "sliding_window") -> int | No
     value = config.get(name)
     if value is None or value == 0:
         return None
-    return _int(config, (name,))
+    return _req(config, (name,))
 
 
 def _attention_shape(config: Mapping[str, Any]) -> tuple[int, int, int, bool]:
     """(elements per token per layer, kv heads, head dim, mla)."""
     if config.get("kv_lora_rank") is not None:
-        rank = _int(config, ("kv_lora_rank",))
-        rope = _int(config, ("qk_rope_head_dim",), what="needed with kv_lora_rank (MLA)")
+        rank = _req(config, ("kv_lora_rank",))
+        rope = _req(config, ("qk_rope_head_dim",), what="needed with kv_lora_rank (MLA)")
         # MLA caches one latent vector per token: vLLM's MLAAttentionSpec has
         # num_kv_heads=1, head_size=kv_lora_rank+qk_rope_head_dim, head_size_v=0.
         return rank + rope, 1, rank + rope, True
-    heads = _int(config, _HEAD_FIELDS, what="attention heads")
-    kv_heads = _int(config, _KV_HEAD_FIELDS, required=False)
+    heads = _req(config, _HEAD_FIELDS, what="attention heads")
+    kv_heads = _opt(config, _KV_HEAD_FIELDS)
     if kv_heads is None:
         kv_heads = 1 if config.get("multi_query") is True else heads
-    head_dim = _int(config, _HEAD_DIM_FIELDS, required=False)
+    head_dim = _opt(config, _HEAD_DIM_FIELDS)
     if head_dim is None:
-        hidden = _int(config, _HIDDEN_FIELDS, what="needed when head_dim is absent")
+        hidden = _req(config, _HIDDEN_FIELDS, what="needed when head_dim is absent")
         if hidden < heads:
             raise _unreadable(f"hidden_size {hidden} is smaller than num_attention_heads {heads}")
         head_dim = hidden // heads
@@ -271,43 +277,40 @@ def _recurrent_state_elements(config: Mapping[str, Any], layer_type: str) -> tup
     """
     if layer_type == "linear_attention" and config.get("linear_num_value_heads") is not None:
         # Gated DeltaNet (Qwen3-Next): conv over q,k,v plus a k x v state per v head.
-        nk = _int(config, ("linear_num_key_heads",))
-        nv = _int(config, ("linear_num_value_heads",))
-        dk = _int(config, ("linear_key_head_dim",))
-        dv = _int(config, ("linear_value_head_dim",))
-        kernel = _int(config, ("linear_conv_kernel_dim",))
+        nk = _req(config, ("linear_num_key_heads",))
+        nv = _req(config, ("linear_num_value_heads",))
+        dk = _req(config, ("linear_key_head_dim",))
+        dv = _req(config, ("linear_value_head_dim",))
+        kernel = _req(config, ("linear_conv_kernel_dim",))
         return (kernel - 1) * (2 * nk * dk + nv * dv) + nv * dv * dk, "gated_deltanet"
     if layer_type == "linear_attention":
         # Lightning attention (MiniMax): a head_dim x head_dim state per head.
-        heads = _int(config, _HEAD_FIELDS)
-        head_dim = _int(config, _HEAD_DIM_FIELDS, required=False)
-        if head_dim is None:
-            head_dim = _int(config, _HIDDEN_FIELDS) // heads
+        heads = _req(config, _HEAD_FIELDS)
+        head_dim = _opt(config, _HEAD_DIM_FIELDS) or _req(config, _HIDDEN_FIELDS) // heads
         return heads * head_dim * head_dim, "linear_attention"
     if layer_type == "conv":
         # LFM2 short convolution: the last conv_L_cache - 1 inputs.
-        kernel = _int(config, ("conv_L_cache",))
-        dim = _int(config, ("conv_dim",), required=False) or _int(config, _HIDDEN_FIELDS)
+        kernel = _req(config, ("conv_L_cache",))
+        dim = _opt(config, ("conv_dim",)) or _req(config, _HIDDEN_FIELDS)
         return (kernel - 1) * dim, "short_conv"
-    d_state = _int(config, ("mamba_d_state", "ssm_state_size", "state_size"),
+    d_state = _req(config, ("mamba_d_state", "ssm_state_size", "state_size"),
                    what="Mamba state size")
-    kernel = _int(config, ("mamba_d_conv", "conv_kernel"), what="Mamba conv kernel")
+    kernel = _req(config, ("mamba_d_conv", "conv_kernel"), what="Mamba conv kernel")
     # A pure Mamba-2 config names its heads plainly; a hybrid's plain names are attention's.
     plain = config.get("model_type") == "mamba2"
-    heads = _int(config, ("mamba_n_heads", "mamba_num_heads") + (("num_heads",) if plain else ()),
-                 required=False)
-    expand = _int(config, ("mamba_expand", "expand"), required=False)
-    inner = _int(config, ("mamba_d_ssm",), required=False)
-    if heads is not None:
-        head_dim = _int(config, ("mamba_d_head", "mamba_head_dim")
+    ssm_heads = _opt(config, ("mamba_n_heads", "mamba_num_heads") + (("num_heads",) if plain else ()))
+    expand = _opt(config, ("mamba_expand", "expand"))
+    inner = _opt(config, ("mamba_d_ssm",))
+    if ssm_heads is not None:
+        head_dim = _req(config, ("mamba_d_head", "mamba_head_dim")
                         + (("head_dim",) if plain else ()), what="Mamba-2 head dim")
-        groups = _int(config, ("mamba_n_groups", "n_groups"), required=False) or 1
+        groups = _opt(config, ("mamba_n_groups", "n_groups")) or 1
         if inner is None:
-            inner = expand * _int(config, _HIDDEN_FIELDS) if expand else heads * head_dim
-        return (kernel - 1) * (inner + 2 * groups * d_state) + heads * head_dim * d_state, "mamba2"
+            inner = expand * _req(config, _HIDDEN_FIELDS) if expand else ssm_heads * head_dim
+        return (kernel - 1) * (inner + 2 * groups * d_state) + ssm_heads * head_dim * d_state, "mamba2"
     if inner is None:
-        inner = (expand * _int(config, _HIDDEN_FIELDS) if expand
-                 else _int(config, ("intermediate_size",), what="Mamba inner width"))
+        inner = (expand * _req(config, _HIDDEN_FIELDS) if expand
+                 else _req(config, ("intermediate_size",), what="Mamba inner width"))
     return (kernel - 1) * inner + inner * d_state, "mamba1"
 
 
@@ -346,8 +349,8 @@ def _layer_names(config: Mapping[str, Any], n: int) -> tuple[list[str], str, str
         return ["attention" if i in idx else "mamba" for i in range(n)], "attn_layer_indices", "D"
     if config.get("attn_layer_period") is not None:
         # Jamba: attention where i % attn_layer_period == attn_layer_offset.
-        period = _int(config, ("attn_layer_period",))
-        offset = _int(config, ("attn_layer_offset",), minimum=0)
+        period = _req(config, ("attn_layer_period",))
+        offset = _req(config, ("attn_layer_offset",), minimum=0)
         return (["attention" if i % period == offset else "mamba" for i in range(n)],
                 "attn_layer_period/offset", "E")
     if config.get("model_type") in ("mamba", "mamba2", "falcon_mamba"):
@@ -358,7 +361,7 @@ def _layer_names(config: Mapping[str, Any], n: int) -> tuple[list[str], str, str
         # no_rope_layer_interval-th layer (NoPE) attends globally (HF Llama4TextConfig).
         rope = config.get("no_rope_layers")
         if not rope:
-            interval = _int(config, ("no_rope_layer_interval",), required=False) or 4
+            interval = _opt(config, ("no_rope_layer_interval",)) or 4
             rope = [int((i + 1) % interval != 0) for i in range(n)]
         if not isinstance(rope, list) or len(rope) != n:
             raise _unreadable(f"config field 'no_rope_layers' must list {n} flags")
@@ -369,7 +372,7 @@ def _layer_names(config: Mapping[str, Any], n: int) -> tuple[list[str], str, str
         return ["full_attention"] * n, "no sliding_window: all layers full", "D"
     if config.get("sliding_window_pattern") is not None:
         # Gemma-3 / Cohere2: every pattern-th layer (1-based) is global.
-        every = _int(config, ("sliding_window_pattern",))
+        every = _req(config, ("sliding_window_pattern",))
         names = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
                  for i in range(n)]
         return names, f"sliding_window_pattern {every} (Gemma-3 rule)", "E"
@@ -381,7 +384,7 @@ def _layer_names(config: Mapping[str, Any], n: int) -> tuple[list[str], str, str
         # Qwen2 family: sliding only when enabled, and only from max_window_layers up.
         if config["use_sliding_window"] is not True:
             return ["full_attention"] * n, "use_sliding_window false (Qwen2 rule)", "D"
-        first = _int(config, ("max_window_layers",), minimum=0)
+        first = _req(config, ("max_window_layers",), minimum=0)
         return (["sliding_attention" if i >= first else "full_attention" for i in range(n)],
                 f"use_sliding_window + max_window_layers {first} (Qwen2 rule)", "E")
     if config.get("use_sliding_window") is False:
@@ -399,7 +402,7 @@ def kv_layout(config: Mapping[str, Any]) -> KVLayout:
     """
     if not isinstance(config, Mapping):
         raise _unreadable(f"text config must be a JSON object, got {type(config).__name__}")
-    n = _int(config, _LAYER_FIELDS, what="number of layers")
+    n = _req(config, _LAYER_FIELDS, what="number of layers")
     names, source, evidence = _layer_names(config, n)
     parallel_hybrid = config.get("model_type") == "falcon_h1"
     if parallel_hybrid:
@@ -487,7 +490,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _vllm_group_layers(buckets: dict[tuple, int]) -> tuple[dict[tuple, int], int]:
+def _vllm_group_layers(buckets: dict[tuple[Any, ...], int]) -> tuple[dict[tuple[Any, ...], int], int]:
     """Layers each spec bucket is charged for once vLLM pads groups, and the group size.
 
     vLLM (v1/core/kv_cache_utils.py, _get_kv_cache_groups_uniform_page_size)
@@ -536,7 +539,7 @@ def _charge(layout: KVLayout, rule: str, *, max_model_len: int, max_num_seqs: in
     in_flight = (max_num_batched_tokens if max_num_batched_tokens is not None
                  else max_model_len) * concurrent_batches
     promote = any(l.kind == "chunked" for l in layout.layers)
-    buckets: dict[tuple, int] = {}
+    buckets: dict[tuple[Any, ...], int] = {}
     for layer in layout.layers:
         keys = []
         if layer.attention:
@@ -609,11 +612,10 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         concurrent_batches=concurrent_batches)
     layout = kv_layout(config)
-    common = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                  concurrent_batches=concurrent_batches, kv_bytes=kv_bytes,
-                  state_bytes=state_bytes)
-    figures = {rule: _charge(layout, rule, **common) for rule in RULES}
+    figures = {rule: _charge(layout, rule, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                             concurrent_batches=concurrent_batches, kv_bytes=kv_bytes, state_bytes=state_bytes)
+               for rule in RULES}
     recurrent = sum(l.state_elements for l in layout.layers) * state_bytes * max_num_seqs
     per_token = sum(l.elements_per_token for l in layout.layers if l.attention) * kv_bytes
     if max_num_batched_tokens is None:
@@ -667,7 +669,7 @@ def max_model_len_for(config: Mapping[str, Any], budget_bytes: int, *, max_num_s
         concurrent_batches=concurrent_batches)
     layout = kv_layout(config)
     if ceiling_tokens is None:
-        ceiling_tokens = _int(config, _CONTEXT_FIELDS, required=False) or DEFAULT_CEILING_TOKENS
+        ceiling_tokens = _opt(config, _CONTEXT_FIELDS) or DEFAULT_CEILING_TOKENS
     _positive(ceiling_tokens, "ceiling_tokens")
 
     def fits(tokens: int) -> bool:
@@ -676,9 +678,19 @@ def max_model_len_for(config: Mapping[str, Any], budget_bytes: int, *, max_num_s
                        concurrent_batches=concurrent_batches, kv_bytes=kv_bytes,
                        state_bytes=state_bytes) <= budget_bytes
 
-    if not fits(1):
+    return largest_fitting(fits, ceiling_tokens)
+
+
+def largest_fitting(fits: Callable[[int], bool], ceiling: int) -> int:
+    """The largest ``n`` in ``[1, ceiling]`` with ``fits(n)``, or 0 when not even 1 fits.
+
+    ``fits`` must be monotone (true up to some ``n``, false after): every
+    charging rule grows with the context, so a binary search is exact. The one
+    bisection both the KV inversion and the planner's context remedy use.
+    """
+    if ceiling < 1 or not fits(1):
         return 0
-    lo, hi = 1, ceiling_tokens  # invariant: fits(lo); answer in [lo, hi]
+    lo, hi = 1, ceiling  # invariant: fits(lo); answer in [lo, hi]
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid):

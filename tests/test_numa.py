@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from edge_core.errors import StageError
-from edge_core.node_memory import NO_NUMA, NOT_NEEDED, PREFAULTED, bound_node_id, prepare_node, read_node
+from edge_core.runtime.numa import NO_NUMA, NOT_NEEDED, PREFAULTED, prepare_node, read_node
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -79,7 +79,7 @@ def test_a_node_with_room_is_left_alone(host_tree):
     vm = FakeHotplugVM(Path(), host_tree, total=16 * GIB, free=15 * GIB, host_total=24 * GIB,
                        host_available=22 * GIB)
     prep = prepare_node(kv_bytes=4 * GIB, required_bytes=5 * GIB, target_bytes=7 * GIB, root=vm.root,
-                        environ={}, toucher=vm)
+                        node_id=0, toucher=vm)
     assert prep.action == NOT_NEEDED and prep.touched_bytes == 0 and vm.touch_calls == 0
     assert prep.after.reclaimable_bytes == 15 * GIB
 
@@ -91,7 +91,7 @@ def test_a_short_node_is_grown_until_it_holds_the_target(host_tree):
                        first_release_shortfall=int(1.4 * GIB))
     seen = []
     prep = prepare_node(kv_bytes=10 * GIB, required_bytes=10 * GIB + 640 * MIB, target_bytes=12 * GIB,
-                        root=vm.root, environ={}, toucher=vm, chunk_bytes=256 * MIB,
+                        root=vm.root, node_id=0, toucher=vm, chunk_bytes=256 * MIB,
                         progress=lambda touched, short: seen.append(touched))
     assert prep.action == PREFAULTED
     assert prep.after.reclaimable_bytes >= 12 * GIB
@@ -108,7 +108,7 @@ def test_a_round_that_falls_short_teaches_the_next_one(host_tree):
                        host_total=int(23.5 * GIB), host_available=22 * GIB,
                        first_release_shortfall=int(1.4 * GIB))
     prep = prepare_node(kv_bytes=10 * GIB, required_bytes=10 * GIB, target_bytes=12 * GIB, root=vm.root,
-                        environ={}, toucher=vm, chunk_bytes=256 * MIB, release_shortfall_bytes=0)
+                        node_id=0, toucher=vm, chunk_bytes=256 * MIB, release_shortfall_bytes=0)
     first, second = prep.round_log
     assert first["reclaimable_bytes"] < 12 * GIB <= first["expected_bytes"], "round one fell short"
     assert second["expected_bytes"] >= 12 * GIB + (first["expected_bytes"] - first["reclaimable_bytes"])
@@ -121,7 +121,7 @@ def test_no_memory_left_to_bring_online_fails_before_loading(host_tree):
                        host_available=6 * GIB)
     with pytest.raises(StageError) as err:
         prepare_node(kv_bytes=10 * GIB, required_bytes=10 * GIB, target_bytes=12 * GIB, root=vm.root,
-                     environ={}, toucher=vm)
+                     node_id=0, toucher=vm)
     message = str(err.value)
     assert "NUMA node 0" in message and "Nothing was loaded" in message and "--max-model-len" in message
     assert vm.touch_calls == 0
@@ -132,7 +132,7 @@ def test_a_node_that_does_not_grow_stops_after_one_round(host_tree):
                        host_available=20 * GIB, grows=False)
     with pytest.raises(StageError, match="did not grow the node"):
         prepare_node(kv_bytes=10 * GIB, required_bytes=10 * GIB, target_bytes=11 * GIB, root=vm.root,
-                     environ={}, toucher=vm, chunk_bytes=512 * MIB)
+                     node_id=0, toucher=vm, chunk_bytes=512 * MIB)
     assert vm.held == 0
 
 
@@ -141,7 +141,7 @@ def test_touching_stops_at_the_host_floor(host_tree):
     vm = FakeHotplugVM(Path(), host_tree, total=8 * GIB, free=int(1.5 * GIB), host_total=24 * GIB,
                        host_available=2 * GIB, floor=0)
     with pytest.raises(StageError):
-        prepare_node(kv_bytes=4 * GIB, required_bytes=4 * GIB, target_bytes=5 * GIB, root=vm.root, environ={},
+        prepare_node(kv_bytes=4 * GIB, required_bytes=4 * GIB, target_bytes=5 * GIB, root=vm.root, node_id=0,
                      toucher=vm, chunk_bytes=256 * MIB)
     assert vm.touch_calls * 256 * MIB <= 1 * GIB
 
@@ -150,24 +150,18 @@ def test_enough_for_the_check_but_short_of_the_target_passes_with_a_note(host_tr
     vm = FakeHotplugVM(Path(), host_tree, total=24 * GIB, free=11 * GIB, host_total=24 * GIB,
                        host_available=11 * GIB)
     prep = prepare_node(kv_bytes=10 * GIB, required_bytes=10 * GIB, target_bytes=12 * GIB, root=vm.root,
-                        environ={}, toucher=vm)
+                        node_id=0, toucher=vm)
     assert prep.action == NOT_NEEDED and "cannot grow" in prep.note
 
 
-def test_bound_node_follows_the_bind_variable(host_tree):
+def test_read_node_reads_the_named_node(host_tree):
     root = host_tree(nodes=[{"total": 8 * GIB, "free": 6 * GIB, "cpus": 4},
                             {"total": 8 * GIB, "free": 7 * GIB, "cpus": 4}], cores=8)
-    from edge_core.host import read_numa_nodes
-
-    nodes = read_numa_nodes(root)
-    assert bound_node_id(nodes, {}) == 0
-    assert bound_node_id(nodes, {"VLLM_CPU_OMP_THREADS_BIND": "4-7"}) == 1
-    assert bound_node_id(nodes, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}) == 0
     assert read_node(1, root).reclaimable_bytes == 7 * GIB
     assert read_node(5, root) is None
 
 
 def test_no_numa_information_is_reported_not_guessed(host_tree):
     root = host_tree(nodes=[])
-    prep = prepare_node(kv_bytes=GIB, required_bytes=GIB, target_bytes=2 * GIB, root=root, environ={})
+    prep = prepare_node(kv_bytes=GIB, required_bytes=GIB, target_bytes=2 * GIB, root=root, node_id=None)
     assert prep.action == NO_NUMA and prep.node_id is None

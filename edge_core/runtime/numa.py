@@ -25,8 +25,10 @@ Verified with a real run (2026-11-30): ``edge run --max-num-seqs 8500
 node 0 read 15.92 GiB reclaimable (16.09 GiB total); edge grew the node to
 20.34 GiB (19.13 GiB reclaimable) before loading, and vLLM accepted the pool.
 
-``edge run`` calls it before the memory sampler's baseline, so the touched
-(and released) pages are never counted as the session's memory.
+edge-cpu's ``prepare_stage`` hook calls it (through
+:func:`edge_core.runtime.vllm_stage.prepare_node_for`, with the node vLLM will
+bind to) before the memory sampler's baseline, so the touched (and released)
+pages are never counted as the session's memory.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from .errors import StageError
-from .host import parse_meminfo, read_numa_nodes
+from ..errors import StageError
+from ..host import parse_meminfo, read_numa_nodes
 
 #: Bytes touched per step: small enough that the stop test (re-reading the
 #: node's meminfo) runs every ~0.4 s at the measured 0.35 GiB/s, large enough
@@ -133,29 +136,6 @@ class NodePrep:
         }
 
 
-def bound_node_id(nodes: tuple[Any, ...], environ: Mapping[str, str] | None = None) -> int | None:
-    """The node vLLM CPU checks the KV pool against: the node of the first bound CPU.
-
-    The same rule as edge-cpu's planner (``_gates.bound_node``): the first CPU
-    named by ``VLLM_CPU_OMP_THREADS_BIND``, else (``auto``) the first node with
-    CPUs.
-    """
-    if not nodes:
-        return None
-    env = os.environ if environ is None else environ
-    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    if bind not in ("auto", "all", "nobind", ""):
-        head = bind.split("|")[0].split(",")[0].split("-")[0]
-        if head.isdigit():
-            for node in nodes:
-                if int(head) in node.cpus:
-                    return node.node_id
-    for node in nodes:
-        if node.cpus:
-            return node.node_id
-    return nodes[0].node_id
-
-
 def read_node(node_id: int, root: str | os.PathLike[str] = "/") -> NodeReading | None:
     """Read ``node_id`` and the host's meminfo under ``root``; None if the node is not there."""
     base = Path(root)
@@ -199,10 +179,10 @@ class _AnonymousToucher:
 
 def prepare_node(
     *,
+    node_id: int | None,
     kv_bytes: int,
     required_bytes: int,
     target_bytes: int,
-    environ: Mapping[str, str] | None = None,
     root: str | os.PathLike[str] = "/",
     chunk_bytes: int = CHUNK_BYTES,
     host_floor_bytes: int = HOST_FLOOR_BYTES,
@@ -218,13 +198,11 @@ def prepare_node(
     called with (bytes touched so far, bytes the node is short) while touching.
     """
     started = time.monotonic()
-    nodes = read_numa_nodes(Path(root))
-    node_id = bound_node_id(nodes, environ)
-    if node_id is None:
+    if node_id is None or read_node(node_id, root) is None:
         return NodePrep(NO_NUMA, None, kv_bytes, required_bytes, target_bytes, None, None,
                         note="no NUMA node information: vLLM checks the host's available memory instead")
     before = read_node(node_id, root)
-    assert before is not None  # bound_node_id picked it from the same listing
+    assert before is not None  # checked above
     if before.reclaimable_bytes >= target_bytes:
         return NodePrep(NOT_NEEDED, node_id, kv_bytes, required_bytes, target_bytes, before, before,
                         seconds=time.monotonic() - started,

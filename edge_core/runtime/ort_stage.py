@@ -28,17 +28,21 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
-from .errors import StageError
-from .stages import DEFAULT_PLACEMENT_THRESHOLD, DEFAULT_SAMPLE_DIM, DEFAULT_SAMPLE_DIMS
-from .stream import DeltaEvent, StageRequest, StateHandle
+from ..errors import StageError
+from ..plan.graph_stage import DEFAULT_PLACEMENT_THRESHOLD, DEFAULT_SAMPLE_DIM, DEFAULT_SAMPLE_DIMS
+from ..stream import DeltaEvent, StageRequest, StateHandle
+
+if TYPE_CHECKING:
+    from ..devices import Device
+    from ..plan import Plan
 
 #: ONNX Runtime's CPU execution provider: present in every build, the reference
 #: executor of the numeric gate and the fallback every graph EP leaves work to.
 CPU_PROVIDER = "CPUExecutionProvider"
-DML_PROVIDER = "DmlExecutionProvider"
 
 #: The profile's event category and name suffix of one executed kernel (ONNX
 #: Runtime 1.x). ``_fence_before``/``_fence_after`` events share the category
@@ -155,7 +159,8 @@ def kernel_events(profile: Iterable[Mapping[str, Any]]) -> list[KernelEvent]:
         name = str(event.get("name", ""))
         if not name.endswith(_KERNEL_SUFFIX):
             continue
-        args = event.get("args") if isinstance(event.get("args"), Mapping) else {}
+        raw_args = event.get("args")
+        args: Mapping[str, Any] = raw_args if isinstance(raw_args, Mapping) else {}
         provider = str(args.get("provider") or "unknown")
         try:
             duration = max(int(event.get("dur") or 0), 0)
@@ -368,7 +373,7 @@ class OrtStage:
 
     def _run(self, feeds: dict[str, Any], run_options: Any) -> list[Any]:
         if not self._profiling:
-            values = self._session.run(None, feeds, run_options)
+            values: list[Any] = self._session.run(None, feeds, run_options)
             self.runs += 1
             return values
         with self._first_run:
@@ -428,21 +433,27 @@ class OrtStage:
             self._profile_dir = None
 
 
-def session_options(ort: Any, providers: Iterable[str], profile_prefix: str | None) -> Any:
+def session_options(ort: Any, profile_prefix: str | None,
+                    configure: Callable[[Any, Any, list[str]], None] | None = None, providers: Iterable[str] = ()) -> Any:
+    """ONNX Runtime session options: errors-only logging, profiling for the placement check.
+
+    ``configure(ort, options, providers)`` is the backend's say over its
+    provider's needs (DirectML cannot run with memory patterns, for one); it
+    runs last.
+    """
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: provider fallbacks are recorded, not printed
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
-    if DML_PROVIDER in providers:
-        # DirectML cannot run with memory patterns or parallel execution (ONNX Runtime's DML EP docs).
-        options.enable_mem_pattern = False
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if configure is not None:
+        configure(ort, options, list(providers))
     return options
 
 
-def start(device: Any, plan: Any, *, providers: Iterable[str], target_provider: str,
-          provider_options: Mapping[str, Mapping[str, str]] | None = None) -> OrtStage:
+def start(device: Device, plan: Plan, *, providers: Iterable[str], target_provider: str,
+          provider_options: Mapping[str, Mapping[str, str]] | None = None,
+          configure: Callable[[Any, Any, list[str]], None] | None = None) -> OrtStage:
     """Open ``plan``'s graph on ``device`` with ``providers`` (best first); profile its first run.
 
     ``plan.stage["executor_providers"]``, when set, replaces ``providers`` as
@@ -460,10 +471,10 @@ def start(device: Any, plan: Any, *, providers: Iterable[str], target_provider: 
     available = set(ort.get_available_providers())
     use = [p for p in requested if p in available] or [CPU_PROVIDER]
     missing = tuple(p for p in requested if p not in available)
-    manifest = plan.manifest
+    manifest = plan.selected()[1]
     model_path = manifest.path
     profile_dir = tempfile.mkdtemp(prefix="edge-ort-profile-")
-    options = session_options(ort, use, os.path.join(profile_dir, "stage"))
+    options = session_options(ort, os.path.join(profile_dir, "stage"), configure, use)
     per_provider = [dict((provider_options or {}).get(p, {})) for p in use]
     started = time.perf_counter()
     try:

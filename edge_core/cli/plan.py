@@ -1,7 +1,9 @@
-"""``edge plan``, ``edge run``, ``edge accept`` and ``edge parity``: the commands that take a model.
+"""``edge plan``: read the model, walk every device through the gates, print the plan.
 
-``plan`` never imports a runtime. ``run``, ``accept`` and ``parity`` plan
-first and refuse (exit 2) before anything loads.
+Parse -> :func:`edge_core.plan.make_plan` -> render. Also the planning
+options every command that takes a model shares (``run``, ``accept``,
+``parity``), and :func:`plan_from_args`, which they all plan through. Nothing
+here imports a runtime.
 """
 
 from __future__ import annotations
@@ -9,33 +11,23 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .errors import EXIT_OK, EXIT_REFUSED, UsageError
-
-#: The bundled demo checkpoints (random weights; ``scripts/make_demo_checkpoints.py``).
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
-DEMO_MODEL = DEMO_DIR / "tiny-llama"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
+from ..artifact import DEMO_MODEL
+from ..errors import EXIT_OK, EXIT_REFUSED
+from ..plan import Plan, SessionSpec, discover, load_devices, make_plan, only_backend
+from ..registry import Registry
+from ._common import common_options, mask_from, mask_option, mib, positive_int, registry_from, write_document
 
 
-def _planning_options(parser: argparse.ArgumentParser) -> None:
+def planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR",
                         help=f"checkpoint directory or ONNX graph (default: the bundled demo, {DEMO_MODEL.name})")
-    parser.add_argument("--max-model-len", type=_positive_int, metavar="N",
+    parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="context length to budget for (default: the model's max_position_embeddings)")
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--max-num-seqs", type=positive_int, default=1, metavar="N",
                         help="sequences decoded at once (default 1)")
-    parser.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
                         help="tokens per forward pass (default min(max-model-len, 2048))")
     parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                         help="KV cache dtype (auto = the model's dtype)")
@@ -48,54 +40,34 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
                         help="also hash every weight byte into the manifest (slow for big checkpoints)")
 
 
-def add_stage_commands(sub: Any, common: Callable[..., None], mask_option: Callable[..., None]) -> None:
+def add_plan_command(sub: Any) -> None:
     plan = sub.add_parser(
         "plan", help="decide which device can run a model, with how many bytes, or why none can",
         description=("Read the checkpoint's config and safetensors headers (no weight is loaded), walk every "
                      "device through the gates, and print the plan: ADMITTED with every reservation, or "
                      "REFUSED with a code, a message and a remedy for each device. Exit 0 admitted, 2 refused."),
     )
-    common(plan)
+    common_options(plan)
     mask_option(plan)
-    _planning_options(plan)
+    planning_options(plan)
     plan.set_defaults(handler=cmd_plan)
 
-    try:
-        from .run_commands import add_run_commands
-    except ImportError:  # the stage commands arrive with the stage runtime
-        return
-    add_run_commands(sub, common, mask_option, _planning_options)
 
-
-def session_from(args: argparse.Namespace) -> Any:
-    from .plan import SessionSpec
-
+def session_from(args: argparse.Namespace) -> SessionSpec:
     return SessionSpec(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype)
 
 
-def plan_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None) -> tuple[Plan, Registry]:
     """Plan for ``args.model`` against this interpreter's devices, or a saved device list."""
-    from .cli import _mask, _registry, discover
-    from .devices import apply_mask, load_device_list
-    from .host import HostFacts
-    from .plan import make_plan
-
     model = args.model or str(DEMO_MODEL)
+    registry = registry_from(args)
+    mask = mask_from(args) if mask is None else mask
     if args.devices:
-        try:
-            devices, host_doc = load_device_list(args.devices)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        devices = apply_mask(devices, _mask(args))
-        host = HostFacts.from_dict(host_doc) if host_doc else None
-        # Backends installed here still apply their own gates and memory terms to
-        # the devices they own in the captured list; the others are planned from
-        # the list alone (the plan notes which).
-        registry, source = _registry(args), f"file:{args.devices}"
-        registry.load()
+        host, devices = load_devices(args.devices, registry, mask)
+        source = f"file:{args.devices}"
     else:
-        host, registry, devices = discover(args)
+        host, devices = discover(registry, mask)
         source = "probed"
     devices = only_backend(devices, getattr(args, "backend", None), registry)
     plan = make_plan(model, session=session_from(args), devices=devices, host=host, registry=registry,
@@ -103,33 +75,12 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     return plan, registry
 
 
-def only_backend(devices: list[Any], name: str | None, registry: Any) -> list[Any]:
-    """The devices ``--backend NAME`` selects: those of plugin NAME, or whose backend is NAME.
-
-    An installed plugin with no device gives an empty list, which the planner
-    refuses with why; a name nothing carries is a usage error.
-    """
-    if not name:
-        return devices
-    chosen = [d for d in devices if name in (d.plugin, d.backend)]
-    installed = {r.name for r in registry.plugins()} if registry is not None else set()
-    if chosen or name in installed:
-        return chosen
-    known = sorted(installed | {d.plugin for d in devices if d.plugin} | {d.backend for d in devices if d.backend})
-    raise UsageError(f"--backend {name}: no installed plugin or device backend is named {name!r}; "
-                     f"known here: {', '.join(known) or 'none'}")
-
-
-def mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:,.0f} MiB"
-
-
-def print_plan(plan: Any, elapsed_s: float) -> None:
+def print_plan(plan: Plan, elapsed_s: float) -> None:
     verdict = "ADMITTED" if plan.admitted else "REFUSED"
     manifest = plan.manifest
     what = f"{manifest.architecture or manifest.model_type} {manifest.weight_format} {mib(manifest.weight_bytes)}" \
         if manifest is not None else plan.model_path
-    where = f" on {plan.selected_device.device_id} ({plan.backend})" if plan.admitted else ""
+    where = f" on {plan.selected_device.device_id} ({plan.backend})" if plan.selected_device is not None else ""
     print(f"{verdict}{where}: {plan.model_path}")
     print(f"  model     {what}" + (f"  [artifact {manifest.artifact_id}]" if manifest is not None else ""))
     if plan.devices_source != "probed":
@@ -178,15 +129,11 @@ def print_plan(plan: Any, elapsed_s: float) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .cli import emit_json
-
     started = time.perf_counter()
     plan, _ = plan_from_args(args)
     elapsed = time.perf_counter() - started
     if args.json:
-        emit_json({**plan.to_dict(), "decision_time_s": round(elapsed, 4)}, "plan")
+        write_document({**plan.to_dict(), "decision_time_s": round(elapsed, 4)}, "plan")
     else:
         print_plan(plan, elapsed)
     return EXIT_OK if plan.admitted else EXIT_REFUSED
-
-

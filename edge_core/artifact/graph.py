@@ -18,21 +18,10 @@ import io
 import os
 from typing import Any
 
-from .artifact import (
-    ARTIFACT_ID_HEX_CHARS,
-    CONFIG_NAME,
-    Manifest,
-    _canonical,
-    _check_contained,
-    _listdir,
-    _open_regular,
-    _read_config,
-    _regular_file,
-    content_digest,
-    identity,
-    resolve_text_config,
-)
-from .errors import ArtifactError
+from ..errors import ArtifactError
+from ._files import canonical, check_contained, content_digest, listdir, open_regular, regular_file
+from .config import CONFIG_NAME, identity, read_config_sized, resolve_text_config
+from .manifest import ARTIFACT_ID_HEX_CHARS, Manifest
 
 #: protobuf cannot serialize a message past 2 GiB; a larger .onnx is not a graph.
 MAX_GRAPH_FILE_BYTES = 2**31
@@ -59,7 +48,7 @@ def read_graph_manifest(root: str, name: str, digest_weights: bool = False) -> M
         raise ArtifactError("artifact_invalid", f"reading the ONNX graph {path} needs the onnx package, "
                             "which is not installed in this interpreter",
                             "pip install 'edge-core[onnx]'", path) from None
-    with _open_regular(path, f"ONNX graph {name}", "artifact_invalid", root) as (f, size):
+    with open_regular(path, f"ONNX graph {name}", "artifact_invalid", root) as (f, size):
         if size > MAX_GRAPH_FILE_BYTES:
             raise ArtifactError("artifact_invalid", f"{path} is {size} bytes, past protobuf's 2 GiB limit",
                                 "re-export with external data (onnx.save(..., save_as_external_data=True))", path)
@@ -73,9 +62,10 @@ def read_graph_manifest(root: str, name: str, digest_weights: bool = False) -> M
         raise ArtifactError("artifact_invalid", f"{path} parses as protobuf but holds no graph nodes",
                             "re-export the graph (torch.onnx.export or optimum-cli export onnx)", path)
 
-    raw_config, config_files = {}, []
-    if CONFIG_NAME in _listdir(root):  # optimum exports keep the model's config beside the graph
-        raw_config, config_size = _read_config(root)
+    raw_config: dict[str, Any] = {}
+    config_files: list[tuple[str, int]] = []
+    if CONFIG_NAME in listdir(root):  # optimum exports keep the model's config beside the graph
+        raw_config, config_size = read_config_sized(root)
         config_files = [(CONFIG_NAME, config_size)]
     tensors, nodes = _walk(model.graph)
     dtype_bytes: dict[str, int] = {}
@@ -90,7 +80,7 @@ def read_graph_manifest(root: str, name: str, digest_weights: bool = False) -> M
 
     files = [(name, size), *config_files, *sorted(external.items())]
     ident = hashlib.sha256(b"edge-graph-v1\0")
-    ident.update(_canonical(raw_config))
+    ident.update(canonical(raw_config))
     ident.update(hashlib.sha256(data).digest())
     for ext_name, ext_size in sorted(external.items()):
         ident.update(f"{ext_name}\0{ext_size}\0".encode("utf-8", "surrogatepass"))
@@ -151,7 +141,7 @@ def _walk(graph: Any) -> tuple[list[tuple[str, Any]], list[Any]]:
 
 def _dtype_name(onnx: Any, code: int) -> str:
     try:
-        return onnx.TensorProto.DataType.Name(code)
+        return str(onnx.TensorProto.DataType.Name(code))
     except ValueError:
         return f"UNKNOWN({code})"
 
@@ -183,7 +173,7 @@ def _check_external(tensor: Any, nbytes: int, root: str, path: str, external: di
     entries = {e.key: e.value for e in tensor.external_data}
     location = entries.get("location", "")
     try:
-        _check_contained(root, location, source=os.path.basename(path))
+        check_contained(root, location, source=os.path.basename(path))
         offset = int(entries.get("offset", "0"))
         length = int(entries["length"]) if "length" in entries else nbytes
     except ValueError:
@@ -193,7 +183,7 @@ def _check_external(tensor: Any, nbytes: int, root: str, path: str, external: di
         raise ArtifactError("artifact_invalid", f"{path}: tensor {tensor.name!r} claims {length} external bytes at "
                             f"offset {offset}; its shape needs {nbytes}", "re-export the graph", path)
     if location not in external:
-        st = _regular_file(os.path.join(root, location), f"external data {location}", "artifact_invalid", root)
+        st = regular_file(os.path.join(root, location), f"external data {location}", "artifact_invalid", root)
         external[location] = st.st_size
     if offset + length > external[location]:
         raise ArtifactError("artifact_invalid", f"{path}: tensor {tensor.name!r} reads bytes [{offset}, "
@@ -209,8 +199,9 @@ def _scheme(onnx: Any, tensors: list[tuple[str, Any]], nodes: list[Any]) -> dict
     """The graph's quantization scheme: activation and weight bit widths from its Q/DQ nodes."""
     T = onnx.TensorProto
     weights = {name: t.data_type for name, t in tensors}
-    act_bits: set[int] = set()
-    weight_bits: set[int] = set()
+    # None marks a width edge cannot name (an unknown type code): it keeps the scheme from being named.
+    act_bits: set[int | None] = set()
+    weight_bits: set[int | None] = set()
     constant_bits: dict[str, int | None] = {}
     qdq = False
     other_quant = None

@@ -1,0 +1,36 @@
+"""What is this model? A checkpoint or exported graph, read without loading a single weight.
+
+The artifact layer: everything here reads files (``config.json``, safetensors
+headers, ONNX protobuf) and nothing else — no torch, no transformers, no
+unpickling, no ``trust_remote_code``. :func:`read_manifest` is the entry;
+any input it cannot read safely is an :class:`~edge_core.errors.ArtifactError`
+carrying the refusal code the planner reports.
+"""
+
+from .checkpoint import INDEX_NAME, MAX_HEADER_BYTES, PICKLE_SUFFIXES, SAFETENSORS_DTYPES
+from .config import CONFIG_NAME, TEXT_CONFIG_KEYS, identity, read_config, resolve_text_config
+from .demo import DEMO_DIR, DEMO_MODEL, DEMO_MODEL_HD16
+from .formats import KNOWN_QUANT_METHODS, weight_format_for
+from .manifest import ARTIFACT_ID_HEX_CHARS, Manifest
+from .reader import INTERNAL_MARK, read_manifest
+
+__all__ = [
+    "ARTIFACT_ID_HEX_CHARS",
+    "CONFIG_NAME",
+    "DEMO_DIR",
+    "DEMO_MODEL",
+    "DEMO_MODEL_HD16",
+    "INDEX_NAME",
+    "INTERNAL_MARK",
+    "KNOWN_QUANT_METHODS",
+    "MAX_HEADER_BYTES",
+    "Manifest",
+    "PICKLE_SUFFIXES",
+    "SAFETENSORS_DTYPES",
+    "TEXT_CONFIG_KEYS",
+    "identity",
+    "read_config",
+    "read_manifest",
+    "resolve_text_config",
+    "weight_format_for",
+]

@@ -1,0 +1,57 @@
+"""What a manifest is: the record of one checkpoint or exported graph, read from its files (evidence D)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, fields
+from typing import Any
+
+#: Hex characters of the short artifact id (a digest of config and headers).
+ARTIFACT_ID_HEX_CHARS = 16
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a checkpoint or exported graph is, read from its files (evidence class D).
+
+    ``config`` is the *text* model's config: for a multimodal wrapper the nested
+    ``text_config`` with the outer ``quantization_config`` and dtype carried in
+    when only the wrapper has them (``text_config_key`` says which key was
+    resolved). ``dtype_bytes`` is keyed by the dtype code as the file writes it
+    (safetensors ``BF16``, ONNX ``FLOAT16``). ``artifact_id`` digests config and
+    headers only; ``content_digest`` (every weight byte) is computed on request.
+    """
+
+    path: str
+    kind: str
+    weight_format: str
+    weight_bytes: int
+    dtype: str | None
+    dtype_bytes: dict[str, int]
+    architecture: str | None
+    model_type: str | None
+    tensor_count: int
+    files: tuple[tuple[str, int], ...]
+    total_file_bytes: int
+    config: dict[str, Any]
+    quantization: dict[str, Any] | None
+    artifact_id: str
+    content_digest: str | None = None
+    onnx: dict[str, Any] | None = None
+    text_config_key: str | None = None
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's config (alias of ``config``, named for readers of multimodal code)."""
+        return self.config
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight_format not in ("dense", "onnx:fp32", "onnx:fp16", "onnx:bf16")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+        out["files"] = [{"name": name, "size_bytes": size} for name, size in self.files]
+        out["evidence"] = "D"
+        return out
+

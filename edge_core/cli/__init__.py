@@ -1,0 +1,69 @@
+"""The ``edge`` command: parse, call the library, render — and the one place exceptions become exit codes.
+
+Exit codes: 0 success/admitted, 2 refused, 3 parity divergence, 1 internal
+error, 64 usage error, 130 interrupted. Every command has ``--json`` with a
+versioned schema (docs/json.md). One module per group of commands:
+:mod:`.devices` (``plugins``, ``devices``), :mod:`.plan` (``plan``),
+:mod:`.run` (``run``, ``accept``, ``parity``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeError, UsageError
+from ._common import SCHEMA_VERSION, Parser
+from .devices import add_device_commands
+from .plan import add_plan_command
+from .run import add_run_commands
+
+__all__ = ["SCHEMA_VERSION", "build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="edge",
+        description=(
+            "Decide, before loading anything, which device this interpreter can run a model "
+            "checkpoint on and with how many bytes; refuse with a reason and a remedy when none can."
+        ),
+        epilog="exit codes: 0 ok/admitted, 2 refused, 3 parity divergence, 1 internal error, 64 usage error",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    add_device_commands(sub)
+    add_plan_command(sub)
+    add_run_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_USAGE
+        return int(args.handler(args))
+    except UsageError as exc:
+        print(f"edge: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except EdgeError as exc:
+        print(f"edge: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("edge: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception as exc:  # a bug in edge: say so plainly, keep the traceback behind a flag
+        if os.environ.get("EDGE_DEBUG"):
+            raise
+        print(
+            f"edge: internal error: {type(exc).__name__}: {exc}\n"
+            "This is a bug in edge; rerun with EDGE_DEBUG=1 for the traceback and report it.",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL

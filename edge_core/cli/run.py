@@ -1,0 +1,312 @@
+"""``edge run``, ``edge accept`` and ``edge parity``: plan, then run the admitted plan and render what happened.
+
+Each command plans first and refuses (exit 2) before anything loads, then
+calls the runtime (:func:`~edge_core.runtime.run_session`,
+:func:`~edge_core.runtime.run_acceptance`, :func:`~edge_core.runtime.run_parity`,
+:func:`~edge_core.runtime.run_graph_stage`) and renders its record. The
+runtime is imported inside the handlers: building the parser for ``edge plan``
+must not pay for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..errors import EXIT_DIVERGED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, UsageError
+from ..plan import GraphStagePlan, Plan
+from ..registry import Registry
+from ..stream import StageRequest
+from ._common import common_options, mask_from, mask_option, mib, plugin_options, positive_int, write_document
+from .plan import plan_from_args, planning_options, print_plan
+from .progress import TerminalObserver, say
+
+if TYPE_CHECKING:
+    from ..stream import DeltaEvent
+
+#: Default prompt for ``edge run`` with neither --prompt nor piped stdin.
+DEFAULT_PROMPT = "The gateway box in the cupboard can run this model because"
+#: Mirrors :data:`edge_core.runtime.accept.PROMPTS` / ``ACCEPT_TOKENS`` for --help
+#: without importing the runtime (a test keeps them equal).
+PROMPT_COUNT = 12
+ACCEPT_TOKENS = 128
+
+
+def temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"temperature must be >= 0, got {value}")
+    return value
+
+
+def record_options(parser: argparse.ArgumentParser) -> None:
+    """``--json FILE`` (a path, ``-`` for stdout) plus the plugin selection."""
+    parser.add_argument("--json", metavar="FILE", help="write the JSON record to FILE ('-' for stdout)")
+    plugin_options(parser)
+
+
+def add_run_commands(sub: Any) -> None:
+    run = sub.add_parser(
+        "run", help="plan, then run one prompt and stream its tokens",
+        description=("Plan first (a refusal prints the plan and exits 2 before anything loads), start the stage "
+                     "on the selected device, stream the prompt's tokens as they arrive, then print the "
+                     "predicted memory peak against the measured one. Ctrl-C cancels cleanly (exit 130)."),
+    )
+    common_options(run)
+    mask_option(run)
+    planning_options(run)
+    run.add_argument("--prompt", metavar="TEXT", help="the prompt (default: stdin when piped, else a demo prompt)")
+    run.add_argument("--max-tokens", type=positive_int, default=64, metavar="N", help="tokens to generate (64)")
+    run.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="0 = greedy (default)")
+    run.add_argument("--seed", type=int, metavar="N", help="sampling seed (with --temperature > 0)")
+    run.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    run.set_defaults(handler=cmd_run)
+
+    accept = sub.add_parser(
+        "accept", help="the acceptance run: decisions, twelve prompts, budget vs measured, a leak-free cancel",
+        description=("Plan with the device visible and masked (both must decide; the masked one must refuse "
+                     f"without an engine), run {PROMPT_COUNT} fixed prompts to {ACCEPT_TOKENS} greedy tokens, "
+                     "check the budget bounds the measured peak on every counter it covers, and cancel a request "
+                     "mid-decode: in-flight back to zero, stream closed, no process left after stop. Exit 0 "
+                     "when every criterion passes, 1 naming the failing ones, 2 if the plan is refused."),
+    )
+    record_options(accept)
+    mask_option(accept)
+    planning_options(accept)
+    accept.set_defaults(handler=cmd_accept)
+
+    parity = sub.add_parser(
+        "parity", help="the same prompts through plain vLLM and through edge's stage; compare token ids",
+        description=(f"Run the {PROMPT_COUNT} acceptance prompts to {ACCEPT_TOKENS} greedy tokens (ignore_eos) "
+                     "through plain vllm.LLM and then through edge's stage, with the plan's engine arguments "
+                     "and the same runtime environment; the first engine's processes are gone before the "
+                     "second starts. Exit 0 identical, 3 on any divergence (first divergent position recorded)."),
+    )
+    record_options(parity)
+    mask_option(parity)
+    planning_options(parity)
+    parity.add_argument("--max-tokens", type=positive_int, default=ACCEPT_TOKENS, metavar="N",
+                        help=f"tokens per prompt ({ACCEPT_TOKENS})")
+    parity.set_defaults(handler=cmd_parity)
+
+
+# ---------------------------------------------------------------- shared pieces
+
+def plan_here(args: argparse.Namespace, mask: frozenset[str] | None = None) -> tuple[Plan, Registry, float]:
+    """Plan against this machine's devices (a run cannot use another machine's list); returns the seconds too."""
+    if getattr(args, "devices", None):
+        raise UsageError("--devices plans against another machine's device list; a run needs this machine's "
+                         "devices (drop --devices, or use `edge plan --devices FILE`)")
+    started = time.perf_counter()
+    plan, registry = plan_from_args(args, mask)
+    return plan, registry, time.perf_counter() - started
+
+
+def print_plan_beside(plan: Plan, elapsed_s: float, json_target: str | None) -> None:
+    """The plan, on stderr when stdout carries the JSON record (``--json -``)."""
+    with contextlib.redirect_stdout(sys.stderr if json_target == "-" else sys.stdout):
+        print_plan(plan, elapsed_s)
+
+
+def budget_lines(memory: Mapping[str, Any]) -> list[str]:
+    """The run record's memory section as the lines ``edge run`` and ``edge accept`` print."""
+    counter = memory["measured_counter"] or "tree_pss"
+    ratio = memory["ratio"]
+    shown = "-" if ratio is None else f"{ratio:.3f}"
+    lines = [
+        f"budget    predicted session peak {mib(memory['predicted_peak_bytes'])} vs measured attributable "
+        f"{counter.replace('_', '-').replace('tree-pss', 'tree-PSS')} peak {mib(memory['measured_attributable_bytes'])}: "
+        f"ratio {shown} ({memory['verdict']}); full admission budget {mib(memory['admission_bytes'])} "
+        f"(+{mib(memory['headroom_bytes'])} headroom)",
+    ]
+    others = []
+    for name, entry in memory["counters"].items():
+        if name == counter or entry.get("attributable_peak_bytes") is None:
+            continue
+        sign = "-" if entry["direction"] == "available" else "+"
+        others.append(f"{name.replace('_', ' ')} {sign}{mib(entry['attributable_peak_bytes'])}"
+                      + (f" (budget {entry['budget']}: {entry['verdict']})" if entry["budget"] else ""))
+    if others:
+        lines.append("          " + "; ".join(others))
+    lines.append(f"          {memory['note']}")
+    return lines
+
+
+def describe_stage_record(record: Mapping[str, Any]) -> str:
+    """The record of :func:`~edge_core.runtime.run_graph_stage` as ``edge run --model GRAPH.onnx`` prints it."""
+    verdict = "PASSED" if record.get("passed") else "REFUSED"
+    where = f" on {record['device_id']} ({record.get('backend')})" if record.get("device_id") else ""
+    lines = [f"{verdict}{where}: {record.get('model_path')}"]
+    if record.get("stand_in"):
+        lines.append(f"  stand-in  {record['stand_in']}")
+    placement = record.get("placement")
+    if placement and "node_share" in placement:
+        kernels = ", ".join(f"{p} {n}" for p, n in placement["kernels_by_provider"].items()) or "none"
+        lines.append(f"  placement {placement['target_provider']}: {placement['node_share']:.0%} of "
+                     f"{placement['kernels']} nodes, {placement['time_share']:.0%} of the time (threshold "
+                     f"{placement['threshold']:.0%}) -> {'placed' if placement['placed'] else 'not placed'}; "
+                     f"kernels by provider: {kernels} [B: measured]")
+    elif placement:
+        lines.append(f"  placement {placement.get('target_provider')}: not measured ({placement.get('problem')})")
+    gate = record.get("numeric_gate")
+    if gate:
+        reference = str(gate["reference"].get("graph", "")).rsplit("/", 1)[-1]
+        lines.append(f"  numeric   max abs error {gate['max_abs_error']:.3g}, {gate['max_rel_error']:.3g} of the "
+                     f"reference's peak vs {reference} on {gate['reference'].get('provider')} (tolerance "
+                     f"{gate['tolerance']:g}) -> {'passed' if gate['passed'] else 'failed'} [B: measured]")
+    for refusal in record.get("refusals") or ():
+        lines.append(f"  refused   [{refusal['code']}] {refusal.get('device_id') or '-'}: {refusal['message']}")
+        lines.append(f"            remedy: {refusal['remedy']}")
+    memory = record.get("memory") or {}
+    if memory.get("attributable_peak_bytes") is not None and memory.get("predicted_peak_bytes"):
+        lines.append(f"  memory    {memory['attributable_peak_bytes'] / 2**20:,.0f} MiB attributable PSS (a lower "
+                     f"bound) against {memory['predicted_peak_bytes'] / 2**20:,.0f} MiB predicted")
+    timings = record.get("timings_s") or {}
+    if timings:
+        lines.append("  timings   " + ", ".join(f"{k} {v:.3f} s" for k, v in timings.items()))
+    return "\n".join(lines)
+
+
+def prompt_from(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UsageError("--prompt is empty; give some text")
+        return str(args.prompt)
+    if sys.stdin is not None and not sys.stdin.isatty():
+        text = sys.stdin.read()
+        if text.strip():
+            return text
+    # No prompt anywhere (a terminal, /dev/null, an empty pipe): the demo prompt,
+    # so `edge run` with no arguments shows the whole path.
+    return DEFAULT_PROMPT
+
+
+# ---------------------------------------------------------------- edge run
+
+def run_graph(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: float) -> int:
+    """``edge run --model GRAPH.onnx``: one request of sample tensors, then the placement and numeric gates."""
+    from ..runtime import run_graph_stage
+
+    if not args.json:
+        print_plan(plan, plan_s)
+        print(flush=True)
+    record = run_graph_stage(plan, registry, seed=args.seed or 0) if isinstance(plan, GraphStagePlan) \
+        and plan.admitted else {
+        "admitted": False, "passed": False, "refusals": [r.to_dict() for r in plan.refusals]}
+    if args.json:
+        write_document({"outcome": "passed" if record.get("passed") else "refused", "plan": plan.to_dict(),
+                        "stage_run": record}, "run")
+    elif plan.admitted:
+        print(describe_stage_record(record))
+    return EXIT_OK if record.get("passed") else EXIT_REFUSED
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    plan, registry, plan_s = plan_here(args)
+    if isinstance(plan, GraphStagePlan) or (plan.manifest is not None and plan.manifest.kind == "onnx"):
+        return run_graph(args, plan, registry, plan_s)
+    prompt = prompt_from(args)
+    if not plan.admitted:
+        if args.json:
+            write_document({"outcome": "refused", "plan": plan.to_dict()}, "run")
+        else:
+            print_plan(plan, plan_s)
+        return EXIT_REFUSED
+    try:
+        request = StageRequest(prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                               ignore_eos=args.ignore_eos, seed=args.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not args.json:
+        print_plan(plan, plan_s)
+        print(flush=True)
+    from ..runtime import run_session
+
+    def show(event: DeltaEvent) -> None:
+        if not args.json and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+
+    outcome = run_session(plan, registry, request, observer=TerminalObserver(), on_event=show)
+    if args.json:
+        write_document(outcome.to_dict(plan, plan_s), "run")
+    else:
+        result, report = outcome.result, outcome.cancel_report
+        if result is not None and result.text and not result.text.endswith("\n"):
+            print()
+        if outcome.outcome == "cancelled":
+            if report is not None:
+                say(f"edge: cancelled request {report.request_id}: {report.events_delivered} "
+                    f"events ({len(result.token_ids) if result else 0} tokens) delivered, "
+                    f"{report.discarded_by_fence} discarded by the epoch fence, abort "
+                    f"{'reached the engine' if report.abort_returned else 'found nothing in flight'}; "
+                    f"{report.note}")
+            else:
+                say("edge: interrupted while the engine was starting; no request ran")
+        if result is not None and result.token_ids:
+            rate = "-" if result.decode_tokens_per_s is None else f"{result.decode_tokens_per_s:.1f}"
+            print(f"tokens    {len(result.token_ids)} ({result.finish_reason or outcome.outcome}); engine start "
+                  f"{outcome.start_s:.1f} s, first token {result.time_to_first_token_s or 0:.3f} s, "
+                  f"decode {rate} tok/s")
+        for line in budget_lines(outcome.memory):
+            print(line)
+    return EXIT_INTERRUPTED if outcome.outcome == "cancelled" else EXIT_OK
+
+
+# ---------------------------------------------------------------- edge accept
+
+def cmd_accept(args: argparse.Namespace) -> int:
+    if not args.json:
+        raise UsageError("edge accept writes its record with --json FILE ('-' for stdout); name a file")
+    plan, registry, visible_s = plan_here(args)
+    if not plan.admitted or plan.selected_device is None:
+        print_plan_beside(plan, visible_s, args.json)
+        write_document({"outcome": "refused", "criteria": [{
+            "name": "decision_visible", "passed": False, "detail": f"refused in {visible_s * 1000:.0f} ms"}],
+            "plan": plan.to_dict()}, "accept", args.json)
+        return EXIT_REFUSED
+    # The masked decision comes before anything imports vLLM, so "no engine" is checkable.
+    masked_plan, _, masked_s = plan_here(args, mask_from(args) | {plan.selected_device.kind})
+    from ..runtime import run_acceptance
+
+    document = run_acceptance(plan, registry, visible_s=visible_s, masked_plan=masked_plan, masked_s=masked_s,
+                              observer=TerminalObserver())
+    write_document(document, "accept", args.json)
+    for criterion in document["criteria"]:
+        say(f"edge: {'PASS' if criterion['passed'] else 'FAIL'} {criterion['name']}: {criterion['detail']}")
+    for line in budget_lines(document["memory"]):
+        say("edge: " + line)
+    if document["failed"]:
+        say(f"edge: accept FAILED: {', '.join(document['failed'])}")
+        return EXIT_INTERNAL
+    say(f"edge: accept passed ({len(document['criteria'])} criteria)")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- edge parity
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    plan, registry, plan_s = plan_here(args)
+    if not plan.admitted:
+        print_plan_beside(plan, plan_s, args.json)
+        write_document({"outcome": "refused", "plan": plan.to_dict()}, "parity", args.json)
+        return EXIT_REFUSED
+    from ..runtime import run_parity
+
+    document = run_parity(plan, registry, max_tokens=args.max_tokens, observer=TerminalObserver())
+    write_document(document, "parity", args.json)
+    rows = document["prompts"]
+    diverged = [row for row in rows if not row["identical"]]
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(f"parity    {len(rows) - len(diverged)}/{len(rows)} prompts token-for-token identical ({args.max_tokens} "
+          f"greedy tokens each, plain vllm.LLM vs edge's stage on {document['device']})", file=out)
+    for row in diverged:
+        print(f"  diverged at token {row['first_divergent_position']}: {row['prompt'][:60]!r}", file=out)
+    return EXIT_DIVERGED if diverged else EXIT_OK

@@ -1,0 +1,57 @@
+"""Can it run here, on which device, with how many bytes — and if not, why?
+
+The plan layer: pure and import-cheap (it never imports a runtime, the CLI,
+torch or vLLM). :func:`make_plan` reads the artifact and returns a
+:class:`Plan` either way — admitted with every reservation and the engine
+arguments, or refused with a :class:`Refusal` per reason, each with a remedy
+that is never applied silently.
+
+Modules: :mod:`.types` (the answer), :mod:`.planner` (the entry),
+:mod:`.checkpoint` (a whole decode session), :mod:`.graph_stage` (one
+exported-graph stage), :mod:`.kv` (KV-cache arithmetic), :mod:`.terms` (the
+core's memory terms), :mod:`.capacity` (what admission checks against),
+:mod:`.remedies`, :mod:`.ledger` (what the host pool already holds).
+"""
+
+from .capacity import capacity_of
+from .checkpoint import DEFAULT_MAX_NUM_BATCHED_TOKENS, candidate_order, engine_kwargs_for, resolve_session
+from .graph_stage import executes_graphs, plan_graph_stage
+from .kv import KVEstimate, estimate_kv, kv_layout, max_model_len_for
+from .ledger import HOST_LEDGER, HostLedger, LedgerEntry, held_bytes
+from .planner import discover, load_devices, make_plan, only_backend
+from .remedies import FORMATS_ELSEWHERE
+from .terms import HOST_EXTERNAL_RESERVE_BYTES, SAFETY_MARGIN_FRACTION, VRAM_EXTERNAL_RESERVE_BYTES
+from .types import REFUSAL_CODES, STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
+
+__all__ = [
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "FORMATS_ELSEWHERE",
+    "HOST_EXTERNAL_RESERVE_BYTES",
+    "HOST_LEDGER",
+    "REFUSAL_CODES",
+    "SAFETY_MARGIN_FRACTION",
+    "STAGE_ONLY_KINDS",
+    "VRAM_EXTERNAL_RESERVE_BYTES",
+    "DeviceVerdict",
+    "GraphStagePlan",
+    "HostLedger",
+    "KVEstimate",
+    "LedgerEntry",
+    "Plan",
+    "Refusal",
+    "SessionSpec",
+    "candidate_order",
+    "capacity_of",
+    "discover",
+    "engine_kwargs_for",
+    "estimate_kv",
+    "executes_graphs",
+    "held_bytes",
+    "kv_layout",
+    "load_devices",
+    "make_plan",
+    "max_model_len_for",
+    "only_backend",
+    "plan_graph_stage",
+    "resolve_session",
+]

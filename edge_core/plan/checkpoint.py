@@ -1,0 +1,227 @@
+"""Can this checkpoint run here as one autoregressive session, on which device, with how many bytes?
+
+The candidates are walked in a fixed order (private pool before shared, then
+larger) through the gates: runnable, whole-session placement, weight format,
+the backend's own gates (kernels, the runtime's own capacity check), and
+capacity. The first device that passes every gate is selected; the others are
+reported with why they were not used, and those that also pass are pre-approved
+fallbacks. No remedy is ever applied silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..budget import peak as combine
+from ..errors import ArtifactError, UsageError
+from ..registry import install_hint
+from .capacity import capacity_of
+from .kv import estimate_kv
+from .remedies import capacity_refusal, format_refusal, shorter_context_fallbacks
+from .terms import core_reservations, headroom_reservations
+from .types import STAGE_ONLY_KINDS, DeviceVerdict, Plan, Refusal, SessionSpec
+
+if TYPE_CHECKING:
+    from ..artifact import Manifest
+    from ..budget import Peak, Reservation
+    from ..devices import Device
+    from ..host import HostFacts
+    from ..registry import Registry
+    from .kv import KVEstimate
+
+#: Engine default when the user sets no token budget per forward pass.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class DeviceOutcome:
+    """What the gates said for one device: refusals, or the budget that fits."""
+
+    refusals: tuple[Refusal, ...] = ()
+    reservations: tuple[Reservation, ...] = ()
+    peak: Peak | None = None
+    capacity_bytes: int | None = None
+    kv: KVEstimate | None = None
+    notes: tuple[str, ...] = field(default=())
+
+
+def candidate_order(devices: list[Device]) -> list[Device]:
+    """Private pool before shared pool, then larger. Not a performance ranking."""
+    return sorted(devices, key=lambda d: (d.memory_pool != "vram", -d.memory_bytes, d.device_id))
+
+
+def resolve_session(manifest: Manifest, session: SessionSpec) -> SessionSpec:
+    """Fill the limits the user left open from the checkpoint; reject impossible ones."""
+    config = manifest.config
+    native = config.get("max_position_embeddings") or config.get("n_positions") or config.get("seq_length")
+    max_model_len = session.max_model_len or native
+    if not isinstance(max_model_len, int) or max_model_len <= 0:
+        raise UsageError(
+            f"{manifest.path}: config.json gives no max_position_embeddings; pass --max-model-len"
+        )
+    if isinstance(native, int) and max_model_len > native:
+        raise UsageError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings ({native}); "
+            "vLLM would refuse it too"
+        )
+    if session.max_num_seqs < 1:
+        raise UsageError("--max-num-seqs must be at least 1")
+    batched = session.max_num_batched_tokens or min(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    if batched < 1:
+        raise UsageError("--max-num-batched-tokens must be at least 1")
+    return SessionSpec(
+        max_model_len=max_model_len,
+        max_num_seqs=session.max_num_seqs,
+        max_num_batched_tokens=batched,
+        kv_dtype=session.kv_dtype,
+        enforce_eager=session.enforce_eager,
+    )
+
+
+def engine_kwargs_for(manifest: Manifest, session: SessionSpec, device: Device, kv: KVEstimate, peak: Peak,
+                      capacity_bytes: int) -> dict[str, Any]:
+    """vLLM engine arguments derived from the plan; never vLLM's defaults for memory.
+
+    ``gpu_memory_utilization`` is computed on both pools, as a fraction of the
+    device's total memory: vLLM's CPU backend reads it as a fraction of the
+    NUMA node's RAM, and its 0.92 default asked for 28.4 GiB of a 30.9 GiB
+    machine for a 6.55 GiB plan.
+    """
+    total = device.memory_bytes or capacity_bytes
+    fraction = min(max(peak.admission_bytes / total, 0.01), 0.99) if total else 0.9
+    kwargs: dict[str, Any] = {
+        "model": manifest.path,
+        "max_model_len": session.max_model_len,
+        "max_num_seqs": session.max_num_seqs,
+        "max_num_batched_tokens": session.max_num_batched_tokens,
+        "enforce_eager": session.enforce_eager,
+        "kv_cache_memory_bytes": kv.bytes_vllm,
+        "gpu_memory_utilization": round(fraction + 0.005, 2),
+        "seed": 0,
+    }
+    if manifest.dtype in ("bfloat16", "float16", "float32"):
+        kwargs["dtype"] = manifest.dtype
+    if session.kv_dtype != "auto":
+        kwargs["kv_cache_dtype"] = session.kv_dtype
+    return kwargs
+
+
+def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
+                    registry: Registry | None = None, devices_source: str = "probed") -> Plan:
+    """Walk the gates for every candidate device and return the plan, admitted or refused."""
+    model_path = manifest.path
+
+    def refused(refusals: list[Refusal], **extra: Any) -> Plan:
+        return Plan(admitted=False, model_path=model_path, session=session, refusals=tuple(refusals),
+                    devices_source=devices_source, manifest=manifest, **extra)
+
+    plugins = registry.plugins() if registry is not None else []
+    if not devices and not plugins and devices_source == "probed":
+        return refused([Refusal(code="no_backend_installed", message=install_hint(),
+                                remedy="pip install edge-cpu (or edge-cuda for NVIDIA GPUs) in this venv")])
+    try:
+        session = resolve_session(manifest, session)
+    except ArtifactError as exc:
+        return refused([Refusal(code=exc.code, message=str(exc), remedy=exc.remedy)])
+
+    notes: list[str] = []
+    verdicts: list[DeviceVerdict] = []
+    selected: tuple[Device, DeviceOutcome] | None = None
+    fallbacks: list[dict[str, Any]] = []
+    all_refusals: list[Refusal] = []
+    for device in candidate_order(devices):
+        if device.masked:
+            verdicts.append(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy"))
+            continue
+        if not device.runnable:
+            verdicts.append(DeviceVerdict(device.device_id, False, note=f"not runnable here: {device.reason}"))
+            continue
+        if device.kind in STAGE_ONLY_KINDS:
+            refusal = Refusal(
+                code="no_exported_graph", device_id=device.device_id,
+                message=(f"{device.device_id} executes exported graphs one stage at a time, never a whole "
+                         "autoregressive session"),
+                remedy=("export a stage of this model to ONNX (scripts/export_stage.py) and plan it with "
+                        "`edge plan --model STAGE.onnx`"),
+            )
+            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,)))
+            all_refusals.append(refusal)
+            continue
+        try:
+            outcome = plan_on_device(device, manifest, session, host, registry, devices)
+        except ArtifactError as exc:  # the config lacks what the KV arithmetic needs: no device can help
+            return refused([Refusal(code=exc.code, message=str(exc), remedy=exc.remedy)])
+        notes.extend(outcome.notes)
+        if outcome.refusals:
+            all_refusals.extend(outcome.refusals)
+            verdicts.append(DeviceVerdict(device.device_id, False, outcome.refusals))
+            fallbacks.extend(shorter_context_fallbacks(device, list(outcome.refusals)))
+            continue
+        if selected is None:
+            selected = (device, outcome)
+            verdicts.append(DeviceVerdict(device.device_id, True))
+        else:
+            fallbacks.append({"kind": "device", "device_id": device.device_id, "backend": device.backend,
+                              "approved": True, "note": "passes every gate; used only if asked for"})
+            verdicts.append(DeviceVerdict(device.device_id, False, note="a fallback: an earlier candidate was selected"))
+
+    if selected is None:
+        refusals = list(all_refusals)
+        if not any(d.runnable for d in devices if not d.masked) or not refusals:
+            why = "; ".join(f"{v.device_id}: {v.note}" for v in verdicts if v.note) or "no device was found"
+            refusals.insert(0, Refusal(
+                code="no_runnable_device", message=f"no device this interpreter drives can take the session ({why})",
+                remedy=("install the backend for this machine's hardware in this venv (edge devices lists what "
+                        "is missing), or unmask a kind you masked"),
+            ))
+        return refused(refusals, verdicts=tuple(verdicts), fallbacks=tuple(fallbacks), notes=tuple(notes))
+    device, outcome = selected
+    assert outcome.kv is not None and outcome.peak is not None and outcome.capacity_bytes is not None
+    return Plan(
+        admitted=True, model_path=model_path, session=session, manifest=manifest, selected_device=device,
+        reservations=outcome.reservations, peak=outcome.peak, capacity_bytes=outcome.capacity_bytes,
+        kv=outcome.kv, engine_kwargs=engine_kwargs_for(manifest, session, device, outcome.kv, outcome.peak,
+                                                       outcome.capacity_bytes),
+        fallbacks=tuple(fallbacks), verdicts=tuple(verdicts), devices_source=devices_source, notes=tuple(notes),
+    )
+
+
+def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, host: HostFacts | None,
+                   registry: Registry | None, devices: list[Device] | None = None) -> DeviceOutcome:
+    """The format gate, the backend's gates and the capacity gate for one runnable device."""
+    owned = registry is not None and registry.owner(device) is not None
+    notes: tuple[str, ...] = ()
+    if not owned:
+        notes = (f"{device.device_id}: its backend ({device.plugin or device.backend}) is not installed here; "
+                 "planned from the device list alone, without the backend's own gates and memory terms",)
+    formats = (registry.call_owner(device, "weight_formats") if registry is not None and owned else None) \
+        or list(device.weight_formats)
+    if manifest.weight_format not in formats:
+        remedy = registry.call_owner(device, "format_remedy", weight_format=manifest.weight_format) \
+            if registry is not None and owned else None
+        return DeviceOutcome(refusals=(format_refusal(device, manifest, formats, remedy),), notes=notes)
+    block = device.extras.get("kv_block_size")
+    kv = estimate_kv(manifest.config, max_model_len=int(session.max_model_len or 0),
+                     max_num_seqs=session.max_num_seqs, max_num_batched_tokens=session.max_num_batched_tokens,
+                     kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
+                     block_size=block if isinstance(block, int) else None)
+    terms = core_reservations(device, manifest, session, kv)
+    if registry is not None and owned:
+        terms += registry.call_owner(device, "reserve_memory", manifest=manifest, session=session, host=host) or []
+        gated = registry.call_owner(device, "gate_plan", manifest=manifest, session=session, host=host,
+                                    reservations=terms) or []
+        if gated:
+            return DeviceOutcome(refusals=tuple(gated), notes=notes)
+    predicted = combine(terms, device.memory_pool).predicted_bytes
+    terms += headroom_reservations(device, predicted)
+    total = combine(terms, device.memory_pool)
+    capacity, how = capacity_of(device, host, devices or ())
+    if capacity is None:
+        notes += (f"{device.device_id}: pool capacity unknown (a device list without host facts); "
+                  "capacity not checked",)
+    elif total.admission_bytes > capacity:
+        return DeviceOutcome(
+            refusals=(capacity_refusal(device, manifest, session, kv, terms, total, capacity, how),), notes=notes)
+    return DeviceOutcome(reservations=tuple(terms), peak=total, capacity_bytes=capacity if capacity is not None else 0,
+                         kv=kv, notes=notes)

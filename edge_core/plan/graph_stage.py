@@ -1,0 +1,373 @@
+"""Can this exported graph run as one stage here, on which device, with how many bytes?
+
+iGPUs and NPUs execute exported graphs one stage at a time, never a whole
+decode session (SPEC section 4). :func:`plan_graph_stage` (reached from
+``make_plan`` when the artifact is an ``.onnx`` graph) walks the devices that
+execute graphs through the gates *reachable* (a device that exists but no
+interpreter here drives it is ``device_unreachable_from_this_process``, naming
+the route and interpreter that would), *format* (the graph's scheme against
+the formats of the route that resolved), the backend's own gates, and
+*capacity* from the host ledger (:mod:`.ledger`). Whether the stage then
+really ran on its device, and with the right numbers, is measured after its
+first run (:mod:`edge_core.runtime.graph_run`); the thresholds it is judged by
+are decided here and travel in ``plan.stage``.
+
+``onnx`` is imported only to read a graph's inputs and metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..budget import MIB, Reservation
+from ..budget import peak as combine
+from ..errors import UsageError
+from ..registry import install_hint
+from ..routes import INTERPRETER_NAMES, resolved_of, statuses_of
+from .capacity import capacity_of
+from .checkpoint import candidate_order
+from .ledger import HOST_LEDGER, HostLedger
+from .remedies import format_refusal
+from .terms import headroom_reservations
+from .types import STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
+
+if TYPE_CHECKING:
+    from ..artifact import Manifest
+    from ..budget import Peak
+    from ..devices import Device
+    from ..host import HostFacts
+    from ..registry import Registry
+
+#: Share of nodes and of kernel time the target provider must have executed for
+#: a stage to count as placed on its device (overridable per stage). One half:
+#: a stage most of whose work ran elsewhere is not "on the NPU", while an EP
+#: leaving a few boundary casts to the CPU still is.
+DEFAULT_PLACEMENT_THRESHOLD = 0.5
+
+#: Numeric gate tolerance per graph format: the largest absolute output error
+#: allowed, as a fraction of the reference output's largest magnitude. Measured
+#: on the demo stages (scripts/export_stage.py, onnxruntime 1.32 CPU, 3 seeds):
+#: fp16 vs fp32 0.02-0.06 %, A16W8 vs fp32 0.02 % (MLP + residual) and
+#: 1.1-1.4 % (LM head). Each bound leaves several times that (estimate, E);
+#: fp32 against itself allows kernel reordering of float sums only.
+NUMERIC_TOLERANCE = {
+    "onnx:fp32": 1e-4,
+    "onnx:fp16": 1e-2,
+    "onnx:bf16": 3e-2,
+    "onnx:a16w8": 5e-2,
+    "onnx:a8w8": 8e-2,
+    "onnx:qdq": 8e-2,
+}
+#: A format not in the table (estimate, E): loose enough for any 8-bit scheme.
+DEFAULT_NUMERIC_TOLERANCE = 8e-2
+
+#: What ``import onnxruntime`` plus one CPU-provider session cost in the
+#: process, before weights: 31 MiB PSS measured (onnxruntime 1.32, this
+#: project's CI machine; 20 MiB import, 11 MiB session and thread pools),
+#: rounded up (E). A device's EP library (DirectML, VitisAI) comes on top
+#: through its backend's ``reserve_memory``.
+ORT_RUNTIME_BASELINE_BYTES = 48 * MIB
+#: Floor of the activation arena: the first run of the demo stages grew PSS by
+#: 5-7 MiB (arena chunk + profiling buffers), rounded up (E).
+ORT_ACTIVATION_FLOOR_BYTES = 8 * MIB
+#: Intermediate tensors held at once, as a multiple of the graph's input and
+#: output bytes at the sample size (estimate, E: an MLP holds gate, up and
+#: their product, 3 x intermediate ~ 9 x hidden).
+ACTIVATION_IO_MULTIPLE = 12
+
+#: Symbolic dimensions for sizing and sample inputs when the graph names none.
+DEFAULT_SAMPLE_DIMS = {"batch": 1, "batch_size": 1, "sequence": 8, "sequence_length": 8, "seq": 8}
+DEFAULT_SAMPLE_DIM = 8
+
+#: Graph metadata written by scripts/export_stage.py.
+META_REFERENCE = "edge.reference_graph"
+META_SAMPLE_DIMS = "edge.sample_dims"
+META_STAGE = "edge.stage"
+
+EXPORT_SCRIPT = "scripts/export_stage.py"
+#: The plan's JSON schema tag for the ``stage`` section.
+STAGE_SCHEMA = "edge.graph_stage/1"
+
+_ELEMENT_BYTES = {1: 4, 10: 2, 16: 2, 11: 8, 7: 8, 6: 4, 3: 1, 2: 1, 5: 2, 4: 2, 9: 1, 21: 1, 22: 1}
+
+
+def executes_graphs(device: Device, formats: Iterable[str]) -> bool:
+    """A device takes graph stages when its kind only runs stages or its formats are graph formats."""
+    return device.kind in STAGE_ONLY_KINDS or any(f.startswith(("onnx:", "pt:")) for f in formats)
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What planning reads from the graph beyond its manifest: I/O and edge metadata."""
+
+    inputs: tuple[tuple[str, int, tuple[Any, ...]], ...]
+    outputs: tuple[tuple[str, int, tuple[Any, ...]], ...]
+    metadata: dict[str, str]
+
+    def sample_dims(self) -> dict[str, int]:
+        """Size of each symbolic dimension of the graph's I/O: the graph's own, then the defaults."""
+        dims = dict(DEFAULT_SAMPLE_DIMS)
+        try:
+            given = json.loads(self.metadata.get(META_SAMPLE_DIMS) or "{}")
+        except ValueError:
+            given = {}
+        if isinstance(given, dict):
+            dims.update({str(k): int(v) for k, v in given.items() if isinstance(v, int) and v > 0})
+        named = {str(d) for _, _, shape in self.inputs + self.outputs for d in shape if not isinstance(d, int)}
+        return {name: dims.get(name, DEFAULT_SAMPLE_DIM) for name in sorted(named)}
+
+    def io_bytes(self) -> int:
+        dims = self.sample_dims()
+        total = 0
+        for _, elem, shape in self.inputs + self.outputs:
+            count = 1
+            for d in shape:
+                count *= d if isinstance(d, int) and d > 0 else dims.get(str(d), DEFAULT_SAMPLE_DIM)
+            total += count * _ELEMENT_BYTES.get(elem, 4)
+        return total
+
+
+def read_graph_facts(path: str) -> GraphFacts:
+    """I/O specs and ``metadata_props`` of the graph at ``path`` (external data left on disk)."""
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    initializers = {t.name for t in model.graph.initializer}
+
+    def specs(values: Iterable[Any]) -> tuple[tuple[str, int, tuple[Any, ...]], ...]:
+        out = []
+        for v in values:
+            if v.name in initializers:  # old exporters list initializers as inputs
+                continue
+            tensor = v.type.tensor_type
+            shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
+            out.append((v.name, int(tensor.elem_type), shape))
+        return tuple(out)
+
+    return GraphFacts(specs(model.graph.input), specs(model.graph.output),
+                      {p.key: p.value for p in model.metadata_props})
+
+
+def resolve_reference(manifest: Manifest, facts: GraphFacts) -> tuple[str, str]:
+    """The graph the numeric gate compares against on the CPU provider, and why that one.
+
+    The graph's own ``edge.reference_graph`` (a file beside it, e.g. the fp32
+    export an A16W8 graph was quantized from) when it names one that exists in
+    the same directory; otherwise the same graph.
+    """
+    name = facts.metadata.get(META_REFERENCE)
+    root = os.path.dirname(manifest.path)
+    if name and os.path.basename(name) == name and name.lower().endswith(".onnx"):
+        candidate = os.path.join(root, name)
+        if os.path.isfile(candidate) and os.path.realpath(candidate) != os.path.realpath(manifest.path):
+            return candidate, f"{name}, named by the graph's {META_REFERENCE} metadata"
+    if name:
+        return manifest.path, f"the same graph ({META_REFERENCE}={name!r} is not a graph beside it)"
+    return manifest.path, "the same graph (it names no reference graph)"
+
+
+def stage_reservations(manifest: Manifest, facts: GraphFacts, reference_path: str) -> list[Reservation]:
+    """The stage's own memory terms on the host pool, in bytes."""
+    graph_file = next((size for name, size in manifest.files if name == os.path.basename(manifest.path)),
+                      manifest.weight_bytes)
+    io_bytes = facts.io_bytes()
+    reference_bytes = os.path.getsize(reference_path) if reference_path != manifest.path else graph_file
+    dims = ", ".join(f"{k}={v}" for k, v in sorted(facts.sample_dims().items()) if k in ("batch", "sequence"))
+    return [
+        Reservation(purpose="weights", bytes=manifest.weight_bytes, pool="host_ram", lifetime="session_weights",
+                    evidence="D", note=f"{manifest.tensor_count} initializers, {manifest.weight_format}, summed "
+                    "from the graph"),
+        Reservation(purpose="graph_load", bytes=graph_file, pool="host_ram", lifetime="load", evidence="E",
+                    note="ONNX Runtime holds the serialized graph while it builds the initializers"),
+        Reservation(purpose="ort_runtime", bytes=ORT_RUNTIME_BASELINE_BYTES, pool="host_ram", lifetime="session",
+                    evidence="E", held_during_load=True,
+                    note="import onnxruntime + one session (31 MiB PSS measured on the CPU provider, rounded up)"),
+        Reservation(purpose="activations", bytes=max(ORT_ACTIVATION_FLOOR_BYTES, ACTIVATION_IO_MULTIPLE * io_bytes),
+                    pool="host_ram", lifetime="request", evidence="E",
+                    note=f"{ACTIVATION_IO_MULTIPLE} x the graph's I/O at the sample size ({dims}; "
+                    f"{io_bytes:,} B), at least the arena's first growth"),
+        Reservation(purpose="numeric_reference", bytes=2 * reference_bytes, pool="host_ram", lifetime="request",
+                    evidence="E", note="the CPU reference session of the numeric gate (first run only): its "
+                    "graph and weights"),
+    ]
+
+
+def unreachable_refusal(device: Device) -> Refusal:
+    statuses = statuses_of(device)
+    # The best-ranked route that could work from here or from an interpreter next door.
+    best = next((s for s in statuses if s.get("where") in ("another_interpreter", "here")), None)
+    if best is not None and best.get("where") == "another_interpreter":
+        there = INTERPRETER_NAMES.get(str(best.get("interpreter")), best.get("interpreter"))
+        remedy = f"run edge from {there}, where the {best.get('backend')} route lives ({best.get('install')})"
+    elif best is not None:
+        remedy = f"make the {best.get('backend')} route work in this interpreter: {best.get('reason')}"
+    else:
+        remedy = f"{device.reason}" if device.reason else "install the backend that drives it in this interpreter"
+    return Refusal(
+        code="device_unreachable_from_this_process", device_id=device.device_id,
+        message=f"{device.device_id} ({device.name}) is there, but no interpreter here drives it: {device.reason}",
+        remedy=remedy,
+        details={"routes": [dict(s) for s in statuses]},
+    )
+
+
+def stage_capacity_refusal(device: Device, peak: Peak, capacity: int, how: str, ledger: HostLedger) -> Refusal:
+    admitted = ledger.entries()
+    held = sum(e.bytes for e in admitted)
+    free = max(capacity - held, 0)
+    if admitted and peak.admission_bytes <= capacity:
+        names = ", ".join(f"{e.entry_id} ({e.bytes / MIB:,.0f} MiB)" for e in admitted)
+        remedy = (f"the stage alone fits: release what is admitted on the host pool ({names}) or run the stage "
+                  "after it; or use a smaller stage (export fewer layers)")
+    else:
+        remedy = "use a smaller stage (export fewer layers, or a quantized graph), or a machine with more RAM"
+    return Refusal(
+        code="budget_exceeds_device", device_id=device.device_id,
+        message=(f"the stage needs {peak.admission_bytes / MIB:,.0f} MiB (predicted peak "
+                 f"{peak.predicted_bytes / MIB:,.0f} MiB + headroom {peak.headroom_bytes / MIB:,.0f} MiB) of the "
+                 f"host pool {device.device_id} draws on; {held / MIB:,.0f} MiB of its {capacity / MIB:,.0f} MiB "
+                 f"({how}) are admitted to others, leaving {free / MIB:,.0f} MiB"),
+        remedy=remedy,
+        details={"needed_bytes": peak.admission_bytes, "capacity_bytes": capacity, "admitted_bytes": held,
+                 "free_bytes": free, "admitted": [e.to_dict() for e in admitted]},
+    )
+
+
+def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFacts | None,
+                     registry: Registry | None = None,
+                     devices_source: str = "probed", session: SessionSpec | None = None,
+                     ledger: HostLedger | None = None, placement_threshold: float | None = None,
+                     numeric_tolerance: float | None = None) -> Plan:
+    """Plan one exported-graph stage: the first graph-executing device that passes every gate.
+
+    ``ledger`` (default :data:`HOST_LEDGER`) holds what is already admitted on
+    the host pool. ``placement_threshold`` and ``numeric_tolerance`` override
+    the defaults for this stage; both travel in ``plan.stage`` to the run.
+    """
+    session = session or SessionSpec()
+    ledger = HOST_LEDGER if ledger is None else ledger
+    threshold = DEFAULT_PLACEMENT_THRESHOLD if placement_threshold is None else float(placement_threshold)
+    if not 0.0 < threshold <= 1.0:
+        raise UsageError(f"the placement threshold is a share of nodes and time in (0, 1], not {threshold}")
+
+    def refused(refusals: list[Refusal], **extra: Any) -> Plan:
+        return GraphStagePlan(admitted=False, model_path=manifest.path, session=session, manifest=manifest,
+                              refusals=tuple(refusals), devices_source=devices_source, **extra)
+
+    plugins = registry.plugins() if registry is not None else []
+    if not devices and not plugins and devices_source == "probed":
+        return refused([Refusal(code="no_backend_installed", message=install_hint(),
+                                remedy="pip install edge-dml (AMD/Intel iGPU, Windows or WSL) or edge-vitisai "
+                                "(AMD XDNA NPU) in this venv")])
+    try:
+        facts = read_graph_facts(manifest.path)
+    except Exception as exc:  # noqa: BLE001 - graph.py parsed it already; anything here is a bad graph
+        return refused([Refusal(code="artifact_invalid", message=f"{manifest.path}: cannot read the graph's "
+                                f"inputs and metadata: {type(exc).__name__}: {exc}", remedy="re-export the graph")])
+    reference_path, reference_why = resolve_reference(manifest, facts)
+    tolerance = NUMERIC_TOLERANCE.get(manifest.weight_format, DEFAULT_NUMERIC_TOLERANCE) \
+        if numeric_tolerance is None else float(numeric_tolerance)
+    notes: list[str] = []
+    verdicts: list[DeviceVerdict] = []
+    fallbacks: list[dict[str, Any]] = []
+    all_refusals: list[Refusal] = []
+    selected: tuple[Device, list[Reservation], Peak, int | None, str] | None = None
+    for device in candidate_order(devices):
+        owned = registry is not None and registry.owner(device) is not None
+        formats = (registry.call_owner(device, "weight_formats") if registry is not None and owned else None) \
+            or list(device.weight_formats)
+        if not executes_graphs(device, formats):
+            verdicts.append(DeviceVerdict(device.device_id, False, note=(
+                f"runs checkpoints, not exported graphs (formats: {', '.join(formats) or 'none'})")))
+            continue
+        if device.masked:
+            verdicts.append(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy"))
+            continue
+        if not device.runnable:
+            refusal = unreachable_refusal(device)
+            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,)))
+            all_refusals.append(refusal)
+            continue
+        if not owned:
+            notes.append(f"{device.device_id}: its backend ({device.plugin or device.backend}) is not installed "
+                         "here; planned from the device list alone, and it cannot be run from here")
+        if manifest.weight_format not in formats:
+            remedy = registry.call_owner(device, "format_remedy", weight_format=manifest.weight_format) \
+                if registry is not None and owned else None
+            refusal = format_refusal(device, manifest, formats, remedy)
+            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,)))
+            all_refusals.append(refusal)
+            continue
+        terms = stage_reservations(manifest, facts, reference_path)
+        if registry is not None and owned:
+            terms += registry.call_owner(device, "reserve_memory", manifest=manifest, session=session,
+                                         host=host) or []
+            gated = registry.call_owner(device, "gate_plan", manifest=manifest, session=session, host=host,
+                                        reservations=terms) or []
+            if gated:
+                verdicts.append(DeviceVerdict(device.device_id, False, tuple(gated)))
+                all_refusals.extend(gated)
+                continue
+        terms += headroom_reservations(device, combine(terms, device.memory_pool).predicted_bytes)
+        total = combine(terms, device.memory_pool)
+        capacity, how = capacity_of(device, host, devices)
+        if capacity is None:
+            notes.append(f"{device.device_id}: host capacity unknown (a device list without host facts or a CPU "
+                         "row); capacity not checked")
+        elif device.memory_pool == "host_ram" and total.admission_bytes + ledger.admitted_bytes > capacity:
+            refusal = stage_capacity_refusal(device, total, capacity, how, ledger)
+            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,)))
+            all_refusals.append(refusal)
+            continue
+        if selected is None:
+            selected = (device, terms, total, capacity, how)
+            verdicts.append(DeviceVerdict(device.device_id, True))
+        else:
+            fallbacks.append({"kind": "device", "device_id": device.device_id, "backend": device.backend,
+                              "approved": True, "note": "passes every gate; used only if asked for"})
+            verdicts.append(DeviceVerdict(device.device_id, False,
+                                          note="a fallback: an earlier candidate was selected"))
+
+    if selected is None:
+        refusals = list(all_refusals)
+        if not refusals:
+            why = "; ".join(f"{v.device_id}: {v.note}" for v in verdicts if v.note) or "no device was found"
+            refusals.append(Refusal(
+                code="no_runnable_device",
+                message=f"no device this interpreter sees executes exported graphs ({why})",
+                remedy=("install edge-dml (AMD/Intel iGPU through DirectML) or edge-vitisai (AMD XDNA NPU) in this "
+                        "venv; or plan the checkpoint itself for the CPU or a discrete GPU"),
+            ))
+        return refused(refusals, verdicts=tuple(verdicts), fallbacks=tuple(fallbacks), notes=tuple(notes))
+
+    device, terms, total, capacity, how = selected
+    route = resolved_of(device)
+    stage = {
+        "schema": STAGE_SCHEMA,
+        "kind": "graph_stage",
+        "runtime": "onnxruntime",
+        "stage": facts.metadata.get(META_STAGE),
+        "route": dict(route) if route else None,
+        "target_provider": (route or {}).get("provider") or device.extras.get("execution_provider"),
+        "placement_threshold": threshold,
+        "placement": "unproven until the first run's profile is read (edge run --model)",
+        "numeric_tolerance": tolerance,
+        "numeric_tolerance_metric": "max |output - reference| / max |reference|",
+        "reference_graph": reference_path,
+        "reference_why": reference_why,
+        "sample_dims": facts.sample_dims(),
+        "inputs": [{"name": n, "elem_type": e, "dims": list(s)} for n, e, s in facts.inputs],
+        "outputs": [{"name": n, "elem_type": e, "dims": list(s)} for n, e, s in facts.outputs],
+        "host_pool": {"capacity_bytes": capacity, "how": how, **ledger.to_dict()},
+    }
+    return GraphStagePlan(
+        admitted=True, model_path=manifest.path, session=session, manifest=manifest, selected_device=device,
+        reservations=tuple(terms), peak=total, capacity_bytes=capacity,
+        fallbacks=tuple(fallbacks), verdicts=tuple(verdicts), devices_source=devices_source, notes=tuple(notes),
+        stage=stage,
+    )
+

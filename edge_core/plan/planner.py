@@ -1,0 +1,82 @@
+"""Plan a model path against devices: read the manifest, pick the planner, say which devices count.
+
+:func:`make_plan` is the one entry for every command that plans (``plan``,
+``run``, ``accept``, ``parity``): a checkpoint goes to
+:func:`~edge_core.plan.checkpoint.plan_checkpoint`, an exported graph to
+:func:`~edge_core.plan.graph_stage.plan_graph_stage`. :func:`discover` and
+:func:`load_devices` produce the devices, probed here or captured on another
+machine. Nothing here imports a runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ..artifact import read_manifest
+from ..devices import apply_mask, load_device_list
+from ..errors import ArtifactError, UsageError
+from ..host import HostFacts, read_host
+from ..registry import Registry
+from .checkpoint import plan_checkpoint
+from .graph_stage import plan_graph_stage
+from .types import Plan, Refusal, SessionSpec
+
+if TYPE_CHECKING:
+    from ..devices import Device
+
+
+def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
+              registry: Registry | None = None, devices_source: str = "probed", digest_weights: bool = False) -> Plan:
+    """Read ``model_path`` without loading a weight and plan it: admitted, or refused with reasons."""
+    try:
+        manifest = read_manifest(model_path, digest_weights=digest_weights)
+    except ArtifactError as exc:
+        return Plan(admitted=False, model_path=str(model_path), session=session, devices_source=devices_source,
+                    refusals=(Refusal(code=exc.code, message=str(exc), remedy=exc.remedy),))
+    if manifest.kind == "onnx":
+        return plan_graph_stage(manifest, devices=devices, host=host, registry=registry,
+                                devices_source=devices_source, session=session)
+    return plan_checkpoint(manifest, session=session, devices=devices, host=host, registry=registry,
+                           devices_source=devices_source)
+
+
+def discover(registry: Registry, mask: frozenset[str] = frozenset()) -> tuple[HostFacts, list[Device]]:
+    """This host's facts and every device the registry's backends see here, masked kinds marked."""
+    host = read_host()
+    return host, apply_mask(registry.probe(host), mask)
+
+
+def load_devices(path: str, registry: Registry, mask: frozenset[str] = frozenset()
+                 ) -> tuple[HostFacts | None, list[Device]]:
+    """A device list captured with ``edge devices --json`` (maybe elsewhere), masked kinds marked.
+
+    Backends installed here still apply their own gates and memory terms to
+    the devices they own in the list (so the registry is loaded); the others
+    are planned from the list alone, and the plan notes which. A malformed
+    list is a :class:`~edge_core.errors.UsageError` naming the file.
+    """
+    try:
+        devices, host_doc = load_device_list(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    registry.load()
+    return (HostFacts.from_dict(host_doc) if host_doc else None), apply_mask(devices, mask)
+
+
+def only_backend(devices: Iterable[Device], name: str | None, registry: Registry | None) -> list[Device]:
+    """The devices ``--backend NAME`` selects: those of plugin NAME, or whose backend is NAME.
+
+    An installed plugin with no device gives an empty list, which the planner
+    refuses with why; a name nothing carries is a usage error.
+    """
+    devices = list(devices)
+    if not name:
+        return devices
+    chosen = [d for d in devices if name in (d.plugin, d.backend)]
+    installed = {r.name for r in registry.plugins()} if registry is not None else set()
+    if chosen or name in installed:
+        return chosen
+    known = sorted(installed | {d.plugin for d in devices if d.plugin} | {d.backend for d in devices if d.backend})
+    raise UsageError(f"--backend {name}: no installed plugin or device backend is named {name!r}; "
+                     f"known here: {', '.join(known) or 'none'}")

@@ -1,0 +1,78 @@
+"""The core's memory terms of a session: weights, KV cache, activations, and the headroom kept free.
+
+A backend adds its own terms through ``reserve_memory`` (runtime baseline,
+CUDA context, graph pool); these are the ones every session has. Estimates
+are named module constants with their evidence class.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..budget import Reservation
+
+if TYPE_CHECKING:
+    from ..artifact import Manifest
+    from ..devices import Device
+    from .kv import KVEstimate
+    from .types import SessionSpec
+
+#: Host RAM kept free for everything that is not this session (the OS, a
+#: desktop, other processes growing). Host capacity is already *available*
+#: memory, so this only covers growth while the session runs. Evidence E.
+HOST_EXTERNAL_RESERVE_BYTES = 512 << 20
+#: VRAM kept free beside the session: capacity is the card's total, and a
+#: display server or another process may hold a few hundred MiB. Evidence E.
+VRAM_EXTERNAL_RESERVE_BYTES = 512 << 20
+#: Safety margin as a fraction of the predicted peak: the sampled peak is a
+#: lower bound and the runtime terms are estimates. Evidence E.
+SAFETY_MARGIN_FRACTION = 0.05
+#: Bytes per activation element: vLLM CPU computes norms and logits in fp32.
+ACTIVATION_ELEMENT_BYTES = 4
+
+
+def activation_bytes(config: dict[str, Any], session: SessionSpec) -> int:
+    """Working set of one forward pass (E): hidden states, MLP intermediates and fp32 logits."""
+    hidden = int(config.get("hidden_size") or 0)
+    intermediate = int(config.get("intermediate_size") or 4 * hidden)
+    vocab = int(config.get("vocab_size") or 0)
+    tokens = session.max_num_batched_tokens or 0
+    per_token = 4 * hidden + 3 * intermediate
+    logits = session.max_num_seqs * vocab * 2  # logits and their softmax for the sampled positions
+    return (tokens * per_token + logits) * ACTIVATION_ELEMENT_BYTES
+
+
+def core_reservations(device: Device, manifest: Manifest, session: SessionSpec, kv: KVEstimate) -> list[Reservation]:
+    """Weights (D, from the headers), the KV pool (D, vLLM's allocator rule) and activations (E)."""
+    pool = device.memory_pool
+    return [
+        Reservation(purpose="weights", bytes=manifest.weight_bytes, pool=pool, lifetime="session_weights",
+                    evidence="D", note=f"{manifest.tensor_count} tensors, {manifest.weight_format}, "
+                    "summed from the safetensors headers"),
+        Reservation(purpose="kv_cache", bytes=kv.bytes_vllm, pool=pool, lifetime="session", evidence="D",
+                    note=f"{kv.max_model_len} tokens x {kv.max_num_seqs} seq, {kv.kv_dtype} "
+                    f"({kv.kv_dtype_bytes} B/elem), vLLM allocator rule, block {kv.block_size}; "
+                    "pre-allocated at engine start"),
+        Reservation(purpose="activations", bytes=activation_bytes(manifest.config, session), pool=pool,
+                    lifetime="request", evidence="E",
+                    note=f"{session.max_num_batched_tokens} batched tokens of hidden + MLP state and fp32 "
+                    "logits per forward pass"),
+    ]
+
+
+def headroom_reservations(device: Device, predicted_bytes: int) -> list[Reservation]:
+    """The external reserve and the safety margin: kept free at admission, never forecast as usage."""
+    pool = device.memory_pool
+    reserve = HOST_EXTERNAL_RESERVE_BYTES if pool == "host_ram" else VRAM_EXTERNAL_RESERVE_BYTES
+    return [
+        Reservation(purpose="external_reserve", bytes=reserve, pool=pool, lifetime="session", evidence="E",
+                    headroom=True, note="kept free for the OS and other processes; not forecast as usage"),
+        Reservation(purpose="safety_margin", bytes=int(predicted_bytes * SAFETY_MARGIN_FRACTION), pool=pool,
+                    lifetime="session", evidence="E", headroom=True,
+                    note=f"{SAFETY_MARGIN_FRACTION:.0%} of the predicted peak; sampled peaks are lower bounds"),
+    ]
+
+
+def external_reserve_bytes(terms: tuple[Reservation, ...] | list[Reservation]) -> int:
+    """The external-reserve part of a budget's headroom (a property of the host, counted once)."""
+    return sum(t.bytes for t in terms if t.headroom and t.purpose == "external_reserve")

@@ -1,0 +1,191 @@
+"""The plan and its parts: what the planner answers, admitted or refused, as values.
+
+A refusal is a value, not an exception (:class:`Refusal`, with a code, a
+message and a remedy); a :class:`Plan` carries the selected device, every
+reservation, the KV summary and the engine arguments when admitted, and at
+least one refusal when not. :class:`GraphStagePlan` is the same answer for one
+exported-graph stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..artifact import Manifest
+    from ..budget import Peak, Reservation
+    from ..devices import Device
+    from .kv import KVEstimate
+
+#: Refusal codes. Each names the gate that said no.
+REFUSAL_CODES = (
+    "no_backend_installed",
+    "no_runnable_device",
+    "weight_format_unsupported",
+    "kernel_unsupported",
+    "budget_exceeds_device",
+    "config_unreadable",
+    "artifact_invalid",
+    "no_exported_graph",
+    "execution_provider_declined_graph",
+    "numeric_gate_failed",
+    "device_unreachable_from_this_process",
+)
+
+#: Device kinds that take single exported stages, never a whole decode session.
+STAGE_ONLY_KINDS = ("gpu_integrated", "npu")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One reason a device (or the whole plan) says no, and what would change that."""
+
+    code: str
+    message: str
+    remedy: str
+    device_id: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.code not in REFUSAL_CODES:
+            raise ValueError(f"unknown refusal code {self.code!r}; known: {', '.join(REFUSAL_CODES)}")
+        if not self.message or not self.remedy:
+            raise ValueError(f"refusal {self.code!r} needs both a message and a remedy")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "device_id": self.device_id,
+            "message": self.message,
+            "remedy": self.remedy,
+            "details": dict(self.details),
+        }
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """The limits of one autoregressive session, as the user asked for them.
+
+    ``max_model_len`` None means the checkpoint's own context length.
+    ``kv_dtype`` is ``auto`` (the model dtype) or an fp8 variant.
+    """
+
+    max_model_len: int | None = None
+    max_num_seqs: int = 1
+    max_num_batched_tokens: int | None = None
+    kv_dtype: str = "auto"
+    enforce_eager: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "kv_dtype": self.kv_dtype,
+            "enforce_eager": self.enforce_eager,
+        }
+
+
+@dataclass(frozen=True)
+class DeviceVerdict:
+    """One candidate device and what the gates said about it."""
+
+    device_id: str
+    selected: bool
+    refusals: tuple[Refusal, ...] = ()
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device_id": self.device_id,
+            "selected": self.selected,
+            "why_not": self.note or "; ".join(r.message for r in self.refusals) or None,
+            "refusals": [r.to_dict() for r in self.refusals],
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answer, either way. ``admitted`` is False exactly when ``refusals`` is not empty.
+
+    ``capacity_bytes`` is what admission checked the selected device's pool
+    against: the VRAM total for a private pool, the usable host RAM
+    (available, clamped by a cgroup limit) for the shared one.
+    """
+
+    admitted: bool
+    model_path: str
+    session: SessionSpec
+    manifest: Manifest | None = None
+    selected_device: Device | None = None
+    reservations: tuple[Reservation, ...] = ()
+    peak: Peak | None = None
+    capacity_bytes: int | None = None
+    kv: KVEstimate | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    refusals: tuple[Refusal, ...] = ()
+    fallbacks: tuple[dict[str, Any], ...] = ()
+    verdicts: tuple[DeviceVerdict, ...] = ()
+    devices_source: str = "probed"
+    notes: tuple[str, ...] = ()
+
+    @property
+    def backend(self) -> str | None:
+        return self.selected_device.backend if self.selected_device is not None else None
+
+    @property
+    def predicted_peak_bytes(self) -> int | None:
+        return self.peak.predicted_bytes if self.peak is not None else None
+
+    def selected(self) -> tuple[Device, Manifest]:
+        """``(device, manifest)`` of an admitted plan; ValueError for a refused one, which selects nothing."""
+        if not self.admitted or self.selected_device is None or self.manifest is None:
+            raise ValueError(f"the plan for {self.model_path} was refused: it selected no device to run on")
+        return self.selected_device, self.manifest
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "admitted": self.admitted,
+            "model_path": self.model_path,
+            "devices_source": self.devices_source,
+            "selected_device": self.selected_device.device_id if self.selected_device is not None else None,
+            "backend": self.backend,
+            "session": self.session.to_dict(),
+            "reservations": [r.to_dict() for r in self.reservations],
+            "admission_bytes": self.peak.admission_bytes if self.peak is not None else None,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "peak": self.peak.to_dict() if self.peak is not None else None,
+            "capacity_bytes": self.capacity_bytes,
+            "kv": _kv_summary(self.kv),
+            "engine_kwargs": dict(self.engine_kwargs),
+            "refusals": [r.to_dict() for r in self.refusals],
+            "fallbacks": list(self.fallbacks),
+            "devices": [v.to_dict() for v in self.verdicts],
+            "manifest": self.manifest.to_dict() if self.manifest is not None else None,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class GraphStagePlan(Plan):
+    """A :class:`Plan` for one exported-graph stage.
+
+    ``stage`` says how the stage will run and be judged: the route that
+    resolved, the target execution provider, the placement threshold, the
+    numeric tolerance and reference, the sample dims, and the host ledger the
+    capacity was checked against.
+    """
+
+    stage: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "stage": dict(self.stage)}
+
+
+def _kv_summary(kv: KVEstimate | None) -> dict[str, Any] | None:
+    if kv is None:
+        return None
+    summary = kv.to_dict()
+    summary["reserved_rule"] = "vllm"
+    return summary

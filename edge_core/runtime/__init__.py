@@ -1,0 +1,58 @@
+"""Run it: an admitted plan becomes a running stage, measured, cancelled and stopped cleanly.
+
+The runtime layer. vLLM and ONNX Runtime are imported inside functions only,
+when a stage starts; importing this package costs psutil and the standard
+library. Every engine start goes through :class:`StageSession`
+(:mod:`.session`): ``edge run`` is :func:`run_session`, ``edge accept``
+:func:`run_acceptance`, ``edge parity`` :func:`run_parity`, a graph stage
+:func:`run_graph_stage`.
+
+Modules: :mod:`.session`, :mod:`.accept`, :mod:`.parity`, :mod:`.graph_run`
+(what a command runs); :mod:`.vllm_stage`, :mod:`.ort_stage` (the two stage
+runtimes backends share); :mod:`.env` (the engine's environment),
+:mod:`.numa` (NUMA node preparation), :mod:`.processes` (process groups and
+reaping), :mod:`.measure` (the process-tree memory sampler).
+"""
+
+from .accept import ACCEPT_TOKENS, PROMPTS, Criterion, run_acceptance
+from .env import apply_runtime_env, versions
+from .graph_run import NumericGate, compare_outputs, run_graph_stage
+from .measure import DEFAULT_PERIOD_S, MemoryReport, ProcessTreeSampler
+from .parity import first_divergence, run_parity
+from .session import (
+    COVERED_COUNTERS,
+    Consumer,
+    Observer,
+    RequestResult,
+    RunOutcome,
+    SilentObserver,
+    StageSession,
+    memory_record,
+    run_session,
+)
+
+__all__ = [
+    "ACCEPT_TOKENS",
+    "COVERED_COUNTERS",
+    "DEFAULT_PERIOD_S",
+    "PROMPTS",
+    "Consumer",
+    "Criterion",
+    "MemoryReport",
+    "NumericGate",
+    "Observer",
+    "ProcessTreeSampler",
+    "RequestResult",
+    "RunOutcome",
+    "SilentObserver",
+    "StageSession",
+    "apply_runtime_env",
+    "compare_outputs",
+    "first_divergence",
+    "memory_record",
+    "run_acceptance",
+    "run_graph_stage",
+    "run_parity",
+    "run_session",
+    "versions",
+]

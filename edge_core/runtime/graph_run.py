@@ -1,0 +1,309 @@
+"""Did the graph stage really run on its device, with the right numbers? Run it once and measure.
+
+:func:`run_graph_stage` starts an admitted graph-stage plan through the owning
+backend's ``start_stage`` / ``stream`` / ``cancel`` / ``stop_stage``, runs it
+once on sample inputs, then reads the *measured* placement (ONNX Runtime's
+per-node profile: listing a provider proves nothing) and the numeric gate
+(outputs against a CPU reference within a per-format tolerance,
+:func:`compare_outputs`). Either failing is a refusal in the record,
+``execution_provider_declined_graph`` or ``numeric_gate_failed``, the latter
+constraining this artifact only. The stage holds its bytes in the host ledger
+while it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import EdgeError, StageError, UsageError
+from ..plan.graph_stage import DEFAULT_NUMERIC_TOLERANCE, EXPORT_SCRIPT
+from ..plan.ledger import HOST_LEDGER, HostLedger, held_bytes
+from ..plan.terms import external_reserve_bytes
+from ..plan.types import Refusal
+from ..stream import StageRequest, StreamRun
+from . import ort_stage
+from .measure import read_pss_bytes
+
+if TYPE_CHECKING:
+    from ..artifact import Manifest
+    from ..devices import Device
+    from ..plan import GraphStagePlan
+    from ..registry import Registry
+
+
+@dataclass(frozen=True)
+class OutputError:
+    """Measured error of one output against its reference."""
+
+    name: str
+    max_abs_error: float
+    mean_abs_error: float
+    reference_peak_abs: float
+    #: max_abs_error / reference_peak_abs: the gated figure.
+    max_rel_error: float
+    shape: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "max_abs_error": self.max_abs_error, "mean_abs_error": self.mean_abs_error,
+                "reference_peak_abs": self.reference_peak_abs, "max_rel_error": self.max_rel_error,
+                "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class NumericGate:
+    """The stage's outputs against a CPU reference (evidence B: both were run)."""
+
+    weight_format: str
+    tolerance: float
+    reference: dict[str, Any]
+    outputs: tuple[OutputError, ...]
+    problem: str | None = None
+
+    @property
+    def max_rel_error(self) -> float:
+        return max((o.max_rel_error for o in self.outputs), default=float("inf"))
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((o.max_abs_error for o in self.outputs), default=float("inf"))
+
+    @property
+    def passed(self) -> bool:
+        return self.problem is None and bool(self.outputs) and self.max_rel_error <= self.tolerance
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "weight_format": self.weight_format, "tolerance": self.tolerance,
+                "metric": "max |output - reference| / max |reference|", "max_abs_error": self.max_abs_error,
+                "max_rel_error": self.max_rel_error, "reference": dict(self.reference),
+                "outputs": [o.to_dict() for o in self.outputs], "problem": self.problem, "evidence": "B"}
+
+
+def compare_outputs(outputs: Mapping[str, Any], reference: Mapping[str, Any], *, weight_format: str,
+                    tolerance: float, reference_info: Mapping[str, Any] | None = None) -> NumericGate:
+    """Measure every output against the reference output of the same name (compared in float64)."""
+    import numpy as np
+
+    errors = []
+    problems = []
+    for name, ref in reference.items():
+        if name not in outputs:
+            problems.append(f"the stage produced no {name!r}")
+            continue
+        got = np.asarray(outputs[name], dtype=np.float64)
+        want = np.asarray(ref, dtype=np.float64)
+        if got.shape != want.shape:
+            problems.append(f"{name!r} has shape {list(got.shape)}, the reference {list(want.shape)}")
+            continue
+        diff = np.abs(got - want)
+        if not np.all(np.isfinite(got)):
+            problems.append(f"{name!r} holds NaN or infinity")
+        peak_abs = float(np.max(np.abs(want))) if want.size else 0.0
+        max_abs = float(np.max(diff)) if diff.size else 0.0
+        errors.append(OutputError(name, max_abs, float(np.mean(diff)) if diff.size else 0.0, peak_abs,
+                                  max_abs / peak_abs if peak_abs > 0 else (0.0 if max_abs == 0 else float("inf")),
+                                  tuple(int(d) for d in got.shape)))
+    return NumericGate(weight_format, float(tolerance), dict(reference_info or {}), tuple(errors),
+                       "; ".join(problems) or None)
+
+
+def _refusal_dict(code: str, device_id: str | None, message: str, remedy: str, **details: Any) -> dict[str, Any]:
+    return Refusal(code=code, device_id=device_id, message=message, remedy=remedy, details=details).to_dict()
+
+
+def _pss() -> int | None:
+    return read_pss_bytes(os.getpid())
+
+
+def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping[str, Any] | None = None, seed: int = 0,
+                    ledger: HostLedger | None = None, executor_providers: Iterable[str] | None = None,
+                    entry_id: str | None = None, idle_timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run an admitted graph-stage plan once and return the placement and numeric-gate record.
+
+    Goes through the owning backend's hooks (``start_stage``, ``stream``,
+    ``cancel``, ``stop_stage``) and the core's :class:`~edge_core.stream.StreamRun`.
+    ``inputs`` default to deterministic samples (``seed``) shaped by the graph.
+    ``executor_providers`` replaces the providers the session runs with while
+    the placement target stays the route's provider (a stand-in: the record
+    says so). The stage is admitted in ``ledger`` (default :data:`HOST_LEDGER`)
+    while it runs and released after. ``record["passed"]`` is True only when
+    the stage was placed on its target provider *and* passed the numeric gate;
+    otherwise ``record["refusals"]`` says which gate said no.
+    """
+    ledger = HOST_LEDGER if ledger is None else ledger
+    record: dict[str, Any] = {
+        "schema": "edge.graph_stage_run/1", "model_path": plan.model_path, "admitted": plan.admitted,
+        "ran": False, "placed": False, "passed": False, "refusals": [r.to_dict() for r in plan.refusals],
+    }
+    if not plan.admitted:
+        return record
+    device, manifest = plan.selected()
+    stage_info = dict(getattr(plan, "stage", None) or {})
+    target = stage_info.get("target_provider")
+    record.update({"device_id": device.device_id, "backend": device.backend, "artifact_id": manifest.artifact_id,
+                   "weight_format": manifest.weight_format, "target_provider": target,
+                   "route": stage_info.get("route")})
+    owner = registry.owner(device) if registry is not None else None
+    if owner is None or "start_stage" not in owner.hooks:
+        record["refusals"] = [_refusal_dict(
+            "device_unreachable_from_this_process", device.device_id,
+            f"no backend installed in this interpreter runs stages on {device.device_id} (planned from a device "
+            "list or a backend without start_stage)",
+            f"run edge where {device.plugin or device.backend} is installed and drives {device.device_id}")]
+        return record
+    if not target:
+        record["refusals"] = [_refusal_dict(
+            "execution_provider_declined_graph", device.device_id,
+            f"{device.device_id} names no target execution provider, so placement cannot be measured",
+            f"the {device.plugin} backend must record its route (Device.extras['routes']) with a provider")]
+        return record
+    if executor_providers is not None:
+        stand_in = list(executor_providers)
+        plan = dataclasses.replace(plan, stage={**stage_info, "executor_providers": stand_in})
+        record["executor_providers"] = stand_in
+        record["stand_in"] = (f"the session runs with {', '.join(stand_in)} instead of the route's providers; "
+                              f"placement is still judged against {target}")
+
+    held = held_bytes(plan)
+    capacity = stage_info.get("host_pool", {}).get("capacity_bytes")
+    entry_id = entry_id or f"stage:{device.device_id}:{manifest.artifact_id}"
+    reserve = external_reserve_bytes(plan.reservations)
+    try:
+        ledger.admit(entry_id, held, what=f"{device.backend} stage of {os.path.basename(plan.model_path)}",
+                     device_id=device.device_id,
+                     capacity_bytes=None if capacity is None else max(capacity - reserve, 0))
+    except ValueError as exc:
+        record["refusals"] = [_refusal_dict(
+            "budget_exceeds_device", device.device_id, f"the host pool changed since the plan: {exc}",
+            "release what was admitted since (see the ledger), then plan and run again", ledger=ledger.to_dict())]
+        return record
+    record["ledger_entry"] = {"entry_id": entry_id, "bytes": held}
+
+    pss_before = _pss()
+    timings: dict[str, float] = {}
+    handle = None
+    try:
+        started = time.perf_counter()
+        try:
+            handle = registry.call_owner(device, "start_stage", plan=plan)
+        except EdgeError as exc:
+            record["refusals"] = [_refusal_dict(
+                "artifact_invalid", device.device_id, f"the stage did not start: {exc}",
+                f"check the graph with `edge plan --model {plan.model_path}`; re-export it "
+                f"({EXPORT_SCRIPT}) if ONNX Runtime cannot load it")]
+            return record
+        timings["start_s"] = time.perf_counter() - started
+        pss_started = _pss()
+        if handle is None:
+            raise StageError(f"plugin {device.plugin!r} returned no stage from start_stage for {device.device_id}")
+        specs = getattr(handle, "inputs", None)
+        if inputs is None:
+            if specs is None:
+                raise UsageError(f"the {device.plugin} stage does not describe its inputs; pass inputs=")
+            inputs = ort_stage.sample_inputs(specs, seed=seed, dims=stage_info.get("sample_dims"))
+        elif specs is not None:
+            try:
+                ort_stage.check_feeds(specs, inputs, plan.model_path)
+            except StageError as exc:
+                raise UsageError(str(exc)) from None
+        request = StageRequest(inputs=dict(inputs))
+        started = time.perf_counter()
+        events = registry.call_owner(device, "stream", stage=handle, request=request)
+        run = StreamRun(events, lambda: registry.call_owner(device, "cancel", stage=handle,
+                                                             request_id=request.request_id),
+                        request_id=request.request_id, epoch=request.epoch,
+                        label=f"{device.plugin} on {device.device_id}")
+        got = run.collect(idle_timeout_s=idle_timeout_s)
+        timings["first_run_s"] = time.perf_counter() - started
+        final = got[-1]
+        record["ran"] = True
+        record["finish_reason"] = final.finish_reason
+        record["events"] = len(got)
+        outputs = dict(final.tensors or {})
+        record["outputs"] = final.to_dict()["tensors"]
+        pss_ran = _pss()
+        record["stage"] = handle.to_dict() if hasattr(handle, "to_dict") else {}
+        record["stage"].pop("placement", None)  # measured placement is the record's own section
+
+        placement = getattr(handle, "placement", None)
+        refusals = []
+        if placement is None:
+            why = getattr(handle, "profile_error", None) or "the backend reported no per-node profile"
+            record["placement"] = {"placed": False, "target_provider": target, "problem": why}
+            refusals.append(_refusal_dict(
+                "execution_provider_declined_graph", device.device_id,
+                f"no measured placement for {target} on {device.device_id} ({why}); a listed provider is not evidence",
+                "run the stage with a backend that profiles its first run (edge's ONNX Runtime stage runtime)"))
+        else:
+            record["placement"] = placement.to_dict()
+            record["placed"] = placement.placed
+            if not placement.placed:
+                shares = placement.kernels_by_provider
+                refusals.append(_refusal_dict(
+                    "execution_provider_declined_graph", device.device_id,
+                    f"{target} executed {placement.node_share:.0%} of the nodes and {placement.time_share:.0%} of "
+                    f"the time of {os.path.basename(plan.model_path)} (threshold {placement.threshold:.0%}); "
+                    f"kernels by provider: {', '.join(f'{p} {n}' for p, n in shares.items()) or 'none'}",
+                    _declined_remedy(device, manifest, target, stage_info),
+                    node_share=round(placement.node_share, 4), time_share=round(placement.time_share, 4),
+                    threshold=placement.threshold, kernels_by_provider=shares,
+                    time_us_by_provider=placement.time_us_by_provider,
+                    missing_providers=list(getattr(handle, "missing_providers", ()) or ()),
+                    session_providers=list(getattr(handle, "session_providers", ()) or ())))
+
+        reference_path = stage_info.get("reference_graph") or plan.model_path
+        started = time.perf_counter()
+        reference, ran_ref = ort_stage.reference_outputs(reference_path, inputs)
+        timings["reference_s"] = time.perf_counter() - started
+        pss_ref = _pss()
+        ran_ref["why"] = stage_info.get("reference_why")
+        gate = compare_outputs(outputs, reference, weight_format=manifest.weight_format,
+                               tolerance=float(stage_info.get("numeric_tolerance") or DEFAULT_NUMERIC_TOLERANCE),
+                               reference_info=ran_ref)
+        record["numeric_gate"] = gate.to_dict()
+        if not gate.passed:
+            refusals.append(_refusal_dict(
+                "numeric_gate_failed", device.device_id,
+                (f"{os.path.basename(plan.model_path)} ({manifest.weight_format}) on {device.device_id} is "
+                 f"{gate.max_rel_error:.3g} of the reference's peak away from {os.path.basename(reference_path)} "
+                 f"on the CPU (tolerance {gate.tolerance:.3g})" + (f"; {gate.problem}" if gate.problem else "")),
+                (f"this artifact ({manifest.artifact_id}) is constrained, not the device or {manifest.weight_format} "
+                 f"in general: re-export or re-quantize it ({EXPORT_SCRIPT}; more calibration data, per-channel "
+                 "weights), or check that its reference graph is the graph it came from"),
+                artifact_id=manifest.artifact_id, scope="artifact", max_abs_error=gate.max_abs_error,
+                max_rel_error=gate.max_rel_error, tolerance=gate.tolerance))
+        record["refusals"] = refusals
+        record["passed"] = record["placed"] and gate.passed
+        samples = [v for v in (pss_before, pss_started, pss_ran, pss_ref) if v is not None]
+        record["memory"] = {
+            "counter": "process PSS (the stage runs in this process)",
+            "pss_before_bytes": pss_before, "pss_after_start_bytes": pss_started,
+            "pss_after_run_bytes": pss_ran, "pss_after_reference_bytes": pss_ref,
+            "attributable_peak_bytes": (max(samples) - pss_before) if samples and pss_before is not None else None,
+            "predicted_peak_bytes": plan.peak.predicted_bytes if plan.peak is not None else None,
+            "note": "read at four points, not sampled: a lower bound of the peak",
+        }
+        record["timings_s"] = {k: round(v, 4) for k, v in timings.items()}
+        return record
+    finally:
+        if handle is not None:
+            try:
+                record["stopped"] = bool(registry.call_owner(device, "stop_stage", stage=handle))
+            except EdgeError as exc:
+                record["stopped"] = False
+                record["stop_error"] = str(exc)
+        ledger.release(entry_id)
+
+
+def _declined_remedy(device: Device, manifest: Manifest, target: str, stage_info: Mapping[str, Any]) -> str:
+    route = stage_info.get("route") or {}
+    formats = route.get("formats") or list(device.weight_formats)
+    return (f"{target} left this graph to other providers: for {device.device_id} export the stage in a format "
+            f"it executes ({', '.join(formats) or 'see edge devices'}) with operators it supports "
+            f"({EXPORT_SCRIPT}); check that the runtime offers {target} (edge devices --verify); a lower "
+            "per-stage threshold is a choice, not a fix")
+

@@ -1,0 +1,80 @@
+"""Does edge's stage produce exactly the runtime's own tokens? The same prompts both ways, token ids compared.
+
+The acceptance prompts run greedily (``ignore_eos``) through the runtime alone
+(the owning backend's ``reference_token_ids``: plain ``vllm.LLM`` for the vLLM
+backends) and then through edge's stage, with the plan's engine arguments and
+the same runtime environment; the first engine's processes are gone before
+the second starts. Token ids are compared, not text, and the first divergent
+position of each prompt is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..errors import StageError, UsageError
+from ..stream import StageRequest
+from .accept import PROMPTS
+from .session import Observer, SilentObserver, StageSession, prepare_stage
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+    from ..registry import Registry
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token id, the shorter length if one is a prefix, None if equal."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Observer | None = None
+               ) -> dict[str, Any]:
+    """Both runs of an admitted ``plan``; the record's ``outcome`` is ``identical`` or ``diverged``."""
+    said: Observer = observer or SilentObserver()
+    device = plan.selected_device
+    assert device is not None and plan.manifest is not None
+    owner = registry.owner(device)
+    if owner is None or "reference_token_ids" not in owner.hooks:
+        raise UsageError(f"parity compares the runtime alone with edge's stage; the backend that runs "
+                         f"{device.device_id} ({plan.backend}) has no reference run (reference_token_ids)")
+    node_prep = prepare_stage(registry, plan, said)
+    with said.step(f"the runtime alone: {len(PROMPTS)} prompts x {max_tokens} greedy tokens"):
+        answer = registry.call_owner(device, "reference_token_ids", plan=plan, prompts=list(PROMPTS),
+                                     max_tokens=max_tokens)
+    plain_ids, plain_info = answer
+    if plain_info.get("leftover_pids"):
+        raise StageError(f"the reference run left processes {plain_info['leftover_pids']} running; the second "
+                         "engine must not start beside them")
+    edge_ids: list[list[int]] = []
+    session = StageSession(plan, registry, said, node_prep=node_prep, prepared=True)
+    with session:
+        for index, prompt in enumerate(PROMPTS):
+            request = StageRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            edge_ids.append(list(session.request(request).drain().token_ids))
+            said.progress(index + 1, len(PROMPTS), "prompts through edge's stage")
+    rows = []
+    for prompt, ours, theirs in zip(PROMPTS, edge_ids, plain_ids):
+        position = first_divergence(ours, theirs)
+        rows.append({"prompt": prompt, "identical": position is None, "first_divergent_position": position,
+                     "edge_tokens": len(ours), "vllm_tokens": len(theirs),
+                     "edge_token_ids": ours, "vllm_token_ids": theirs})
+    diverged = [row for row in rows if not row["identical"]]
+    info = session.info()
+    return {
+        "outcome": "identical" if not diverged else "diverged",
+        "model": plan.model_path,
+        "artifact_id": plan.manifest.artifact_id,
+        "device": device.device_id,
+        "max_tokens": max_tokens,
+        "engine_kwargs": dict(plan.engine_kwargs),
+        "runtime_env": plain_info.get("runtime_env"),
+        "node_prep": node_prep.to_dict() if node_prep is not None else None,
+        "plain_vllm": plain_info,
+        "edge": {"engine_start_s": round(session.start_s, 3), "stop_s": round(session.stop_s, 3),
+                 "stopped": session.stop_answer, "stage": info},
+        "versions": session.versions(),
+        "prompts": rows,
+    }

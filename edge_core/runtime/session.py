@@ -1,0 +1,436 @@
+"""What happens when an admitted plan runs: one stage, its requests, and its memory, measured.
+
+:class:`StageSession` is the one code path every command that starts an engine
+goes through (``edge run``, ``edge accept``, the edge half of ``edge parity``):
+
+1. the owning backend's ``prepare_stage`` (vLLM CPU grows its NUMA node),
+   before anything is measured;
+2. the memory baseline over the whole process tree, then the 0.25 s sampler
+   (:class:`~edge_core.runtime.measure.ProcessTreeSampler`), with the backend's
+   device counter when it has one (``memory_counter``);
+3. ``start_stage`` with SIGTERM and SIGHUP routed through the Ctrl-C path, so
+   every way of stopping edge cancels, stops and reports;
+4. requests through :class:`Consumer` (the core's bounded, fenced
+   :class:`~edge_core.stream.StreamRun`), timed;
+5. ``stop_stage`` with Ctrl-C held off, then the budget against every counter
+   it covers (:func:`memory_record`).
+
+:func:`run_session` is ``edge run``'s use of it: one request, streamed,
+cancelled cleanly on Ctrl-C. Nothing here prints: progress goes to an
+:class:`Observer`, results come back as records. No module here imports vLLM
+at top level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..errors import StageError
+from ..stream import StreamRun
+from .env import versions
+from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler, compare
+
+if TYPE_CHECKING:
+    from ..devices import Device
+    from ..plan import Plan
+    from ..registry import Registry
+    from ..stream import CancelReport, DeltaEvent, StageRequest
+    from .measure import MemoryReport
+
+#: Which budget bounds which counter. The predicted peak is a forecast of the
+#: tree's PSS. Two counters are reported but not checked: tree RSS counts
+#: shared library pages once per process (measured 0.39-0.43 GiB above PSS for
+#: vLLM CPU's 4 processes), and host available memory moves with every process
+#: on the host (measured: a 2.23 GiB drop during an acceptance run whose tree
+#: PSS rose 1.34 GiB, while other jobs ran on the machine). NVML's used bytes
+#: are the whole card's; on a GPU the session is what fills it.
+COVERED_COUNTERS = {
+    "host_ram": {"tree_pss": "predicted"},
+    "vram": {"device": "predicted"},
+}
+
+
+class Observer(Protocol):
+    """What a long run tells whoever started it (the CLI prints it; :class:`SilentObserver` drops it).
+
+    ``message`` is a one-line status, ``step`` wraps a long step (an engine
+    start) so its caller can show it is alive, ``progress`` counts work done.
+    """
+
+    def message(self, text: str) -> None: ...
+
+    def step(self, what: str) -> contextlib.AbstractContextManager[None]: ...
+
+    def progress(self, done: int, total: int, note: str) -> None: ...
+
+
+class SilentObserver:
+    """The default :class:`Observer`: says nothing."""
+
+    def message(self, text: str) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        yield
+
+    def progress(self, done: int, total: int, note: str) -> None:
+        pass
+
+
+def round_or_none(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One request as the consumer saw it. Times in seconds from submission."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    events: int
+    time_to_first_token_s: float | None
+    decode_tokens_per_s: float | None
+    duration_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "prompt": self.prompt,
+            "tokens": len(self.token_ids),
+            "token_ids": list(self.token_ids),
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "events": self.events,
+            "time_to_first_token_s": round_or_none(self.time_to_first_token_s),
+            "decode_tokens_per_s": round_or_none(self.decode_tokens_per_s, 2),
+            "duration_s": round_or_none(self.duration_s),
+        }
+
+
+class Consumer:
+    """Drives one request through :class:`StreamRun`, timing it; ``run`` is there to cancel from outside."""
+
+    def __init__(self, registry: Registry, device: Device, stage: Any, request: StageRequest):
+        self.request = request
+        self.submitted = time.perf_counter()
+        events = registry.call_owner(device, "stream", stage=stage, request=request)
+        if events is None:
+            raise StageError(f"the backend that owns {device.device_id} does not implement stream")
+        self.run = StreamRun(
+            events,
+            lambda: registry.call_owner(device, "cancel", stage=stage, request_id=request.request_id),
+            request_id=request.request_id, epoch=request.epoch, label=f"{device.backend} on {device.device_id}",
+        )
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.events = 0
+        self.first_at: float | None = None
+        self.first_tokens = 0
+        self.last_at: float | None = None
+        self.finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[DeltaEvent]:
+        for event in self.run:
+            now = time.perf_counter()
+            if event.token_ids:
+                if self.first_at is None:
+                    self.first_at, self.first_tokens = now, len(event.token_ids)
+                self.last_at = now
+            self.token_ids.extend(event.token_ids)
+            self.text.append(event.text)
+            self.events += 1
+            if event.finish_reason is not None:
+                self.finish_reason = event.finish_reason
+            yield event
+
+    def drain(self, on_event: Callable[[DeltaEvent], None] | None = None) -> RequestResult:
+        for event in self:
+            if on_event is not None:
+                on_event(event)
+        return self.result()
+
+    def result(self) -> RequestResult:
+        ttft = None if self.first_at is None else self.first_at - self.submitted
+        rate = None
+        later = len(self.token_ids) - self.first_tokens
+        if self.first_at is not None and self.last_at is not None and self.last_at > self.first_at and later > 0:
+            rate = later / (self.last_at - self.first_at)
+        return RequestResult(
+            request_id=self.request.request_id, prompt=self.request.prompt, token_ids=tuple(self.token_ids),
+            text="".join(self.text), finish_reason=self.finish_reason, events=self.events,
+            time_to_first_token_s=ttft, decode_tokens_per_s=rate,
+            duration_s=(self.last_at or time.perf_counter()) - self.submitted,
+        )
+
+
+class TerminationAsInterrupt:
+    """SIGTERM and SIGHUP take the Ctrl-C path (cancel, stop, report) while a stage runs.
+
+    The stage's processes live in their own process group (:mod:`.processes`),
+    so a signal that ended edge without cleanup would leave them running;
+    routed through KeyboardInterrupt they are stopped like after Ctrl-C.
+    """
+
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+    def __enter__(self) -> TerminationAsInterrupt:
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
+def prepare_stage(registry: Registry, plan: Plan, observer: Observer) -> Any:
+    """The owning backend's ``prepare_stage`` (None when it has nothing to prepare)."""
+    assert plan.selected_device is not None
+    return registry.call_owner(plan.selected_device, "prepare_stage", plan=plan, progress=observer.message)
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """The part of an admitted plan a run record repeats beside its measurements."""
+    return {
+        "admitted": plan.admitted,
+        "selected_device": plan.selected_device.device_id if plan.selected_device is not None else None,
+        "backend": plan.backend,
+        "session": plan.session.to_dict(),
+        "predicted_peak_bytes": plan.peak.predicted_bytes if plan.peak is not None else None,
+        "headroom_bytes": plan.peak.headroom_bytes if plan.peak is not None else None,
+        "admission_bytes": plan.peak.admission_bytes if plan.peak is not None else None,
+        "capacity_bytes": plan.capacity_bytes,
+        "reservations": [r.to_dict() for r in plan.reservations],
+        "engine_kwargs": dict(plan.engine_kwargs),
+        "refusals": [r.to_dict() for r in plan.refusals],
+    }
+
+
+def stage_info(stage: Any) -> dict[str, Any]:
+    """The stage handle's own record (``to_dict()``), or at least the device it executed on."""
+    to_dict = getattr(stage, "to_dict", None)
+    return to_dict() if callable(to_dict) else {"executed_on": getattr(stage, "executed_on", None)}
+
+
+def memory_record(plan: Plan, report: MemoryReport) -> dict[str, Any]:
+    """Budget against measurement, one entry per counter, never summed (SPEC section 9)."""
+    assert plan.peak is not None and plan.selected_device is not None
+    peak = plan.peak
+    budgets = {"predicted": peak.predicted_bytes}
+    covered = COVERED_COUNTERS.get(plan.selected_device.memory_pool, {})
+    counters = {}
+    for counter in report.counters:
+        which = covered.get(counter.name)
+        entry = counter.to_dict()
+        entry["budget"] = which
+        entry["budget_bytes"] = budgets[which] if which else None
+        if which:
+            verdict = compare(budgets[which], report, counter.name)
+            entry.update(ratio=round_or_none(verdict["ratio"], 4), verdict=verdict["verdict"],
+                         is_bug=verdict["is_bug"])
+        else:
+            entry.update(ratio=None, verdict="not_covered", is_bug=False)
+        counters[counter.name] = entry
+    headline = counters.get("tree_pss") if plan.selected_device.memory_pool == "host_ram" else counters.get("device")
+    return {
+        "predicted_peak_bytes": peak.predicted_bytes,
+        "headroom_bytes": peak.headroom_bytes,
+        "admission_bytes": peak.admission_bytes,
+        "measured_counter": headline["name"] if headline else None,
+        "measured_attributable_bytes": headline["attributable_peak_bytes"] if headline else None,
+        "ratio": headline["ratio"] if headline else None,
+        "verdict": headline["verdict"] if headline else "no_measurement",
+        "counters": counters,
+        "covered": dict(covered.items()),
+        "sampler": report.to_dict(),
+        "note": report.note,
+    }
+
+
+class StageSession:
+    """One admitted plan's stage, started and measured; use as a context manager.
+
+    Entering prepares the device (``prepare_stage``), takes the memory
+    baseline before any runtime is imported, starts the sampler and the stage;
+    leaving stops the stage (Ctrl-C held off: an interrupted stop would leave
+    engine processes behind) and the sampler. SIGTERM/SIGHUP inside the block
+    arrive as KeyboardInterrupt. ``memory()`` is the budget against what was
+    measured, after leaving.
+    """
+
+    def __init__(self, plan: Plan, registry: Registry, observer: Observer | None = None, *,
+                 node_prep: Any = None, prepared: bool = False):
+        if not plan.admitted or plan.selected_device is None:
+            raise StageError("a stage starts only from an admitted plan; run `edge plan` to see why it was refused")
+        self.plan = plan
+        self.registry = registry
+        self.device: Device = plan.selected_device
+        self.observer: Observer = observer or SilentObserver()
+        self.node_prep = node_prep
+        self._prepared = prepared
+        self.stage: Any = None
+        self.stage_pids: tuple[int, ...] = ()
+        self.start_s = 0.0
+        self.stop_s = 0.0
+        self.stop_answer: Any = None
+        self.sampler: ProcessTreeSampler | None = None
+        self._report: MemoryReport | None = None
+        self._signals = TerminationAsInterrupt()
+
+    def __enter__(self) -> StageSession:
+        if not self._prepared:
+            self.node_prep = prepare_stage(self.registry, self.plan, self.observer)
+        counter = self.registry.call_owner(self.device, "memory_counter")
+        self.sampler = ProcessTreeSampler(
+            os.getpid(), DEFAULT_PERIOD_S,
+            device_counter=counter.read if counter is not None else None,
+            device_source=counter.source if counter is not None else "none")
+        self.sampler.baseline()  # before the runtime is imported: everything above it is the session's
+        self.sampler.start()
+        self._signals.__enter__()
+        try:
+            with self.observer.step(f"starting {self.device.backend} on {self.device.device_id} "
+                                    "(plan's engine arguments, nothing else)"):
+                started = time.perf_counter()
+                self.stage = self.registry.call_owner(self.device, "start_stage", plan=self.plan)
+                self.start_s = time.perf_counter() - started
+            if self.stage is None:
+                raise StageError(f"the backend that owns {self.device.device_id} ({self.device.plugin}) does not "
+                                 "implement start_stage; it can plan but not run")
+            self.stage_pids = tuple(getattr(self.stage, "stage_pids", ()))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def request(self, request: StageRequest) -> Consumer:
+        """Submit ``request``; iterate (or ``drain()``) the returned consumer for its events."""
+        return Consumer(self.registry, self.device, self.stage, request)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.stage is not None and self.stop_answer is None:
+                started = time.perf_counter()
+                main = threading.current_thread() is threading.main_thread()
+                previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+                try:
+                    self.stop_answer = self.registry.call_owner(self.device, "stop_stage", stage=self.stage)
+                finally:
+                    if main:
+                        signal.signal(signal.SIGINT, previous)
+                self.stop_s = time.perf_counter() - started
+        finally:
+            if self.sampler is not None and self._report is None:
+                self.sampler.stop()
+                self._report = self.sampler.report()
+            self._signals.__exit__()
+
+    def memory(self) -> dict[str, Any]:
+        """The budget against every counter, from the samples taken while the session lived."""
+        if self._report is None:
+            raise StageError("the session's memory is read after it has stopped")
+        return memory_record(self.plan, self._report)
+
+    def info(self) -> dict[str, Any]:
+        return stage_info(self.stage) if self.stage is not None else {}
+
+    def versions(self) -> dict[str, str]:
+        return dict(self.info().get("versions") or versions())
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """``edge run``'s answer: how the request ended, what it produced, and the memory against the budget."""
+
+    outcome: str
+    request: StageRequest
+    result: RequestResult | None
+    cancel_report: CancelReport | None
+    memory: dict[str, Any]
+    start_s: float
+    stop_s: float
+    stage: dict[str, Any]
+    node_prep: Any
+    stopped: Any
+
+    def to_dict(self, plan: Plan, plan_s: float) -> dict[str, Any]:
+        result = self.result
+        assert plan.manifest is not None and plan.selected_device is not None
+        return {
+            "outcome": self.outcome,
+            "model": plan.model_path,
+            "artifact_id": plan.manifest.artifact_id,
+            "device": plan.selected_device.device_id,
+            "executed_on": self.stage.get("executed_on"),
+            "request": self.request.to_dict(),
+            "tokens": len(result.token_ids) if result else 0,
+            "token_ids": list(result.token_ids) if result else [],
+            "text": result.text if result else "",
+            "finish_reason": result.finish_reason if result else None,
+            "timings": {
+                "plan_s": round(plan_s, 4),
+                "engine_start_s": round(self.start_s, 3),
+                "vllm_import_s": self.stage.get("import_s"),
+                "vllm_engine_s": self.stage.get("engine_start_s"),
+                "time_to_first_token_s": round_or_none(result.time_to_first_token_s) if result else None,
+                "decode_tokens_per_s": round_or_none(result.decode_tokens_per_s, 2) if result else None,
+                "stop_s": round(self.stop_s, 3),
+            },
+            "memory": self.memory,
+            "plan": plan_summary(plan),
+            "node_prep": self.node_prep.to_dict() if self.node_prep is not None else None,
+            "stage": self.stage,
+            "versions": self.stage.get("versions") or versions(),
+            "cancel": self.cancel_report.to_dict() if self.cancel_report is not None else None,
+            "stopped": self.stopped,
+        }
+
+
+def run_session(plan: Plan, registry: Registry, request: StageRequest, *, observer: Observer | None = None,
+                on_event: Callable[[DeltaEvent], None] | None = None) -> RunOutcome:
+    """Start ``plan``'s stage, run ``request`` to its end (events to ``on_event``), stop, measure.
+
+    A Ctrl-C (or SIGTERM/SIGHUP) while the request runs cancels it in order —
+    retire the epoch, abort in the engine, close the stream — and the outcome
+    is ``cancelled`` with the fence's report; during the engine start it is
+    ``cancelled`` with no request.
+    """
+    consumer: Consumer | None = None
+    cancel_report = None
+    outcome = "completed"
+    session = StageSession(plan, registry, observer)
+    try:
+        with session:
+            try:
+                consumer = session.request(request)
+                consumer.drain(on_event)
+            except KeyboardInterrupt:  # cancel while the stage is still up: the stop comes after
+                outcome = "cancelled"
+                if consumer is not None:
+                    cancel_report = consumer.run.cancel()
+    except KeyboardInterrupt:  # during the engine start: no request ran
+        if session.sampler is None:  # interrupted before anything was measured
+            raise
+        outcome = "cancelled"
+    return RunOutcome(
+        outcome=outcome, request=request, result=consumer.result() if consumer is not None else None,
+        cancel_report=cancel_report, memory=session.memory(), start_s=session.start_s, stop_s=session.stop_s,
+        stage=session.info(), node_prep=session.node_prep, stopped=session.stop_answer,
+    )
