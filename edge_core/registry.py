@@ -26,8 +26,8 @@ import pluggy
 
 from . import hookspecs
 from ._version import __version__
-from .devices import Device
-from .host import HostFacts
+from .devices import Device, apply_mask
+from .host import HostFacts, read_host
 
 log = logging.getLogger(__name__)
 
@@ -443,3 +443,9 @@ def install_hint() -> str:
         "each in its own virtual environment"
     )
 
+
+
+def discover(registry: Registry, mask: frozenset[str] = frozenset()) -> tuple[HostFacts, list[Device]]:
+    """This host's facts and every device ``registry``'s backends see here, masked kinds marked."""
+    host = read_host()
+    return host, apply_mask(registry.probe(host), mask)

@@ -14,7 +14,6 @@ import os
 from ..errors import ArtifactError
 from ._files import listdir
 from .checkpoint import INDEX_NAME, read_checkpoint
-from .graph import read_graph_manifest
 from .manifest import Manifest
 
 #: Appears in a refusal only when input reached a case no check anticipated.
@@ -55,6 +54,8 @@ def read_manifest(path: str | os.PathLike[str], digest_weights: bool = False) ->
 def _read(root: str, digest_weights: bool) -> Manifest:
     if os.path.isfile(root):
         if root.lower().endswith(".onnx"):
+            from .graph import read_graph_manifest  # loaded for graphs only, like onnx itself
+
             return read_graph_manifest(os.path.dirname(root), os.path.basename(root), digest_weights)
         raise ArtifactError("artifact_invalid", f"{root} is a file, not a model directory",
                             "pass the directory that holds config.json and the *.safetensors files, or a .onnx graph",
@@ -73,6 +74,8 @@ def _read(root: str, digest_weights: bool) -> Manifest:
         if len(graphs) > 1:
             raise ArtifactError("artifact_invalid", f"{root} holds {len(graphs)} ONNX graphs ({', '.join(graphs)})",
                                 "pass the one .onnx file to plan for", root)
+        from .graph import read_graph_manifest
+
         return read_graph_manifest(root, graphs[0], digest_weights)
     return read_checkpoint(root, names, has_safetensors, digest_weights)
 

@@ -11,8 +11,7 @@ import sys
 from typing import Any
 
 from ..errors import EdgeError
-from ..plan import discover
-from ..registry import Registry, install_hint
+from ..registry import Registry, discover, install_hint
 from ._common import common_options, gib, mask_from, mask_option, registry_from, strict_exit, write_document
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from ..artifact import DEMO_MODEL
 from ..errors import EXIT_OK, EXIT_REFUSED
-from ..plan import Plan, SessionSpec, discover, load_devices, make_plan, only_backend
-from ..registry import Registry
+from ..plan import Plan, SessionSpec
+from ..registry import Registry, discover
 from ._common import common_options, mask_from, mask_option, mib, positive_int, registry_from, write_document
 
 
@@ -60,6 +60,9 @@ def session_from(args: argparse.Namespace) -> SessionSpec:
 
 def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None) -> tuple[Plan, Registry]:
     """Plan for ``args.model`` against this interpreter's devices, or a saved device list."""
+    # The planner is imported here, not with the module: `edge devices` builds this parser too.
+    from ..plan import load_devices, make_plan, only_backend
+
     model = args.model or str(DEMO_MODEL)
     registry = registry_from(args)
     mask = mask_from(args) if mask is None else mask

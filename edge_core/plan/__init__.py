@@ -11,17 +11,25 @@ Modules: :mod:`.types` (the answer), :mod:`.planner` (the entry),
 exported-graph stage), :mod:`.kv` (KV-cache arithmetic), :mod:`.terms` (the
 core's memory terms), :mod:`.capacity` (what admission checks against),
 :mod:`.remedies`, :mod:`.ledger` (what the host pool already holds).
+
+The types are imported with the package; everything else on first use
+(:mod:`edge_core._exports` says why).
 """
 
-from .capacity import capacity_of
-from .checkpoint import DEFAULT_MAX_NUM_BATCHED_TOKENS, candidate_order, engine_kwargs_for, resolve_session
-from .graph_stage import executes_graphs, plan_graph_stage
-from .kv import KVEstimate, estimate_kv, kv_layout, max_model_len_for
-from .ledger import HOST_LEDGER, HostLedger, LedgerEntry, held_bytes
-from .planner import discover, load_devices, make_plan, only_backend
-from .remedies import FORMATS_ELSEWHERE
-from .terms import HOST_EXTERNAL_RESERVE_BYTES, SAFETY_MARGIN_FRACTION, VRAM_EXTERNAL_RESERVE_BYTES
+from typing import TYPE_CHECKING
+
+from .._exports import lazy_exports
 from .types import REFUSAL_CODES, STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
+
+if TYPE_CHECKING:
+    from .capacity import capacity_of
+    from .checkpoint import DEFAULT_MAX_NUM_BATCHED_TOKENS, candidate_order, engine_kwargs_for, resolve_session
+    from .graph_stage import executes_graphs, plan_graph_stage
+    from .kv import KVEstimate, estimate_kv, kv_layout, max_model_len_for
+    from .ledger import HOST_LEDGER, HostLedger, LedgerEntry, held_bytes
+    from .planner import load_devices, make_plan, only_backend
+    from .remedies import FORMATS_ELSEWHERE
+    from .terms import HOST_EXTERNAL_RESERVE_BYTES, SAFETY_MARGIN_FRACTION, VRAM_EXTERNAL_RESERVE_BYTES
 
 __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
@@ -42,7 +50,6 @@ __all__ = [
     "SessionSpec",
     "candidate_order",
     "capacity_of",
-    "discover",
     "engine_kwargs_for",
     "estimate_kv",
     "executes_graphs",
@@ -55,3 +62,16 @@ __all__ = [
     "plan_graph_stage",
     "resolve_session",
 ]
+
+__getattr__ = lazy_exports(__name__, {
+    "capacity_of": ".capacity",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS": ".checkpoint", "candidate_order": ".checkpoint",
+    "engine_kwargs_for": ".checkpoint", "resolve_session": ".checkpoint",
+    "executes_graphs": ".graph_stage", "plan_graph_stage": ".graph_stage",
+    "KVEstimate": ".kv", "estimate_kv": ".kv", "kv_layout": ".kv", "max_model_len_for": ".kv",
+    "HOST_LEDGER": ".ledger", "HostLedger": ".ledger", "LedgerEntry": ".ledger", "held_bytes": ".ledger",
+    "load_devices": ".planner", "make_plan": ".planner", "only_backend": ".planner",
+    "FORMATS_ELSEWHERE": ".remedies",
+    "HOST_EXTERNAL_RESERVE_BYTES": ".terms", "SAFETY_MARGIN_FRACTION": ".terms",
+    "VRAM_EXTERNAL_RESERVE_BYTES": ".terms",
+}, globals())

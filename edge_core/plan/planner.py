@@ -3,9 +3,8 @@
 :func:`make_plan` is the one entry for every command that plans (``plan``,
 ``run``, ``accept``, ``parity``): a checkpoint goes to
 :func:`~edge_core.plan.checkpoint.plan_checkpoint`, an exported graph to
-:func:`~edge_core.plan.graph_stage.plan_graph_stage`. :func:`discover` and
-:func:`load_devices` produce the devices, probed here or captured on another
-machine. Nothing here imports a runtime.
+:func:`~edge_core.plan.graph_stage.plan_graph_stage`. :func:`load_devices` reads devices captured on another machine
+(:func:`edge_core.registry.discover` probes this one). Nothing here imports a runtime.
 """
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ from typing import TYPE_CHECKING
 from ..artifact import read_manifest
 from ..devices import apply_mask, load_device_list
 from ..errors import ArtifactError, UsageError
-from ..host import HostFacts, read_host
+from ..host import HostFacts
 from ..registry import Registry
 from .checkpoint import plan_checkpoint
-from .graph_stage import plan_graph_stage
 from .types import Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
@@ -35,16 +33,13 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], h
         return Plan(admitted=False, model_path=str(model_path), session=session, devices_source=devices_source,
                     refusals=(Refusal(code=exc.code, message=str(exc), remedy=exc.remedy),))
     if manifest.kind == "onnx":
+        # Loaded for graphs only: most plans are checkpoints, and `edge plan` stays cheap.
+        from .graph_stage import plan_graph_stage
+
         return plan_graph_stage(manifest, devices=devices, host=host, registry=registry,
                                 devices_source=devices_source, session=session)
     return plan_checkpoint(manifest, session=session, devices=devices, host=host, registry=registry,
                            devices_source=devices_source)
-
-
-def discover(registry: Registry, mask: frozenset[str] = frozenset()) -> tuple[HostFacts, list[Device]]:
-    """This host's facts and every device the registry's backends see here, masked kinds marked."""
-    host = read_host()
-    return host, apply_mask(registry.probe(host), mask)
 
 
 def load_devices(path: str, registry: Registry, mask: frozenset[str] = frozenset()
