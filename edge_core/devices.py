@@ -3,12 +3,18 @@
 A :class:`Device` is one row of ``edge devices``: a stable id, what kind of
 hardware it is, which backend drives it (or why none does), its memory pool and
 the formats it executes, each claim tagged with an evidence class.
+
+A device list read back from JSON is user input (often written by hand):
+:meth:`Device.from_dict` checks every field against the documented schema
+(docs/json.md) and names the field, the value and what was expected, so a
+typo never reaches a backend as a wrong type.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +31,124 @@ EVIDENCE = ("D", "B", "E")
 
 #: Environment variable holding a comma-separated list of kinds to mask.
 MASK_ENV = "EDGE_MASK"
+
+#: What to do about a malformed device list, said after what is wrong with it.
+FIX_DEVICE_LIST = "fix the file, or capture the list again with `edge devices --json` on that machine"
+
+#: ``compute_capability`` as edge-cuda writes it: ``sm_`` and major * 10 + minor.
+COMPUTE_CAPABILITY_PATTERN = re.compile(r"sm_\d+")
+
+#: How much of a bad value an error message quotes: enough to recognise it, never a whole document.
+SHORT_REPR_CHARS = 60
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to :data:`SHORT_REPR_CHARS`, for messages about user input."""
+    text = repr(value)
+    return text if len(text) <= SHORT_REPR_CHARS else text[: SHORT_REPR_CHARS - 3] + "..."
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+
+
+def _is_count_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_count(v) for v in value)
+
+
+def _is_evidence(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(isinstance(k, str) and v in EVIDENCE for k, v in value.items())
+
+
+#: How a document field is checked: (required, is the value valid, what is expected).
+FieldSpec = tuple[bool, Callable[[Any], bool], str]
+
+#: Each field a device row may carry, as the device object of docs/json.md
+#: describes it; a bool is never a count.
+DEVICE_FIELDS: dict[str, FieldSpec] = {
+    "device_id": (True, lambda v: isinstance(v, str) and bool(v), "a non-empty string such as 'cuda:0'"),
+    "kind": (True, lambda v: v in KINDS, f"one of {', '.join(KINDS)}"),
+    "vendor": (True, lambda v: isinstance(v, str), "a string"),
+    "name": (True, lambda v: isinstance(v, str), "a string"),
+    "backend": (True, lambda v: v is None or isinstance(v, str), "a string such as 'vllm:cpu', or null"),
+    "runnable": (True, lambda v: isinstance(v, bool), "true or false"),
+    "memory_pool": (True, lambda v: v in POOLS, f"one of {', '.join(POOLS)}"),
+    "memory_bytes": (True, _is_count, "a whole number of bytes >= 0"),
+    "memory_available_bytes": (False, lambda v: v is None or _is_count(v), "a whole number of bytes >= 0, or null"),
+    "compute_capability": (False, lambda v: v is None or (
+        isinstance(v, str) and COMPUTE_CAPABILITY_PATTERN.fullmatch(v) is not None),
+        "a string like 'sm_90' (major * 10 + minor), or null"),
+    "weight_formats": (False, lambda v: v is None or _is_str_list(v), "a list of format names such as ['dense']"),
+    "evidence": (False, lambda v: v is None or _is_evidence(v),
+                 "an object mapping each claim to an evidence class D, B or E, e.g. {\"found\": \"D\"}"),
+    "reason": (False, lambda v: v is None or isinstance(v, str), "a string, or null"),
+    "masked": (False, lambda v: isinstance(v, bool), "true or false"),
+    "plugin": (False, lambda v: v is None or isinstance(v, str), "a string, or null"),
+    "extras": (False, lambda v: v is None or (isinstance(v, Mapping) and all(isinstance(k, str) for k in v)),
+               "an object (backend-specific keys)"),
+}
+
+
+#: The ``host`` section of a device list: every field ``HostFacts.from_dict``
+#: reads (all optional), then each ``numa_nodes[]`` entry. Checked here, where
+#: the file is named, so the planner never builds host facts from bad types;
+#: ``edge_core.host`` cannot be imported from here (one layer), so a test keeps
+#: these tables equal to what ``HostFacts.to_dict`` writes.
+HOST_SECTION_FIELDS: dict[str, FieldSpec] = {
+    "system": (False, lambda v: isinstance(v, str), "a string"),
+    "machine": (False, lambda v: isinstance(v, str), "a string"),
+    "cpu_model": (False, lambda v: isinstance(v, str), "a string"),
+    "mem_total_bytes": (False, _is_count, "a whole number of bytes >= 0"),
+    "mem_available_bytes": (False, _is_count, "a whole number of bytes >= 0"),
+    "logical_cores": (False, _is_count, "a whole number >= 0"),
+    "physical_cores": (False, _is_count, "a whole number >= 0"),
+    "cgroup_limit_bytes": (False, lambda v: v is None or _is_count(v), "a whole number of bytes >= 0, or null"),
+    "cgroup_usage_bytes": (False, lambda v: v is None or _is_count(v), "a whole number of bytes >= 0, or null"),
+    "isa_flags": (False, lambda v: v is None or (isinstance(v, list) and _is_str_list(v)),
+                  "a list of flag names such as ['avx2']"),
+    "is_wsl": (False, lambda v: isinstance(v, bool), "true or false"),
+    "numa_nodes": (False, lambda v: v is None or isinstance(v, list), "a list of node objects"),
+}
+NUMA_NODE_FIELDS: dict[str, FieldSpec] = {
+    "node_id": (True, _is_count, "a whole number >= 0"),
+    "total_bytes": (True, _is_count, "a whole number of bytes >= 0"),
+    "reclaimable_bytes": (True, _is_count, "a whole number of bytes >= 0"),
+    "cpus": (False, lambda v: v is None or _is_count_list(v), "a list of CPU numbers"),
+}
+
+
+def field_problems(data: Mapping[str, Any], fields: Mapping[str, FieldSpec], prefix: str = "") -> list[str]:
+    """Each field of ``data`` that ``fields`` says is missing or wrong, as ``prefix + field is VALUE: expected ...``.
+
+    Fields ``fields`` does not list are ignored: a document written by a newer
+    edge still reads here.
+    """
+    problems = []
+    for name, (required, valid, expected) in fields.items():
+        if name not in data:
+            if required:
+                problems.append(f"{prefix}{name} is missing: expected {expected}")
+        elif not valid(data[name]):
+            problems.append(f"{prefix}{name} is {short_repr(data[name])}: expected {expected}")
+    return problems
+
+
+def host_section_problems(host: Any, prefix: str = "host.") -> list[str]:
+    """What is wrong with a device list's ``host`` section (:data:`HOST_SECTION_FIELDS`)."""
+    if not isinstance(host, dict):
+        return [f"{prefix.rstrip('.')} is {short_repr(host)}: expected an object (or leave it out)"]
+    problems = field_problems(host, HOST_SECTION_FIELDS, prefix)
+    nodes = host.get("numa_nodes")
+    for i, node in enumerate(nodes if isinstance(nodes, list) else ()):
+        if isinstance(node, dict):
+            problems += field_problems(node, NUMA_NODE_FIELDS, f"{prefix}numa_nodes[{i}].")
+        else:
+            problems.append(f"{prefix}numa_nodes[{i}] is {short_repr(node)}: expected an object")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -117,11 +241,27 @@ class Device:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Device:
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in known}
+    def from_dict(cls, data: Mapping[str, Any], prefix: str = "") -> Device:
+        """Rebuild a device from its JSON row, checking every field first (:data:`DEVICE_FIELDS`).
+
+        Raises ValueError naming ``prefix + field`` (e.g. ``devices[0].kind``),
+        the value and what is expected; null containers read as empty, and
+        unknown fields are ignored.
+        """
+        where = prefix.rstrip(".") or "device record"
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where} is {short_repr(data)}: expected an object")
+        problems = field_problems(data, DEVICE_FIELDS, prefix)
+        if problems:
+            raise ValueError("; ".join(problems))
+        kwargs = {k: v for k, v in data.items() if k in DEVICE_FIELDS}
         kwargs["weight_formats"] = tuple(kwargs.get("weight_formats") or ())
-        return cls(**kwargs)
+        kwargs["evidence"] = dict(kwargs.get("evidence") or {})
+        kwargs["extras"] = dict(kwargs.get("extras") or {})
+        try:  # each field is sound; what is left is the record's own consistency (__post_init__)
+            return cls(**kwargs)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}" if prefix else str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -167,7 +307,9 @@ def load_device_list(path: str) -> tuple[list[Device], dict[str, Any]]:
     """Read the document ``edge devices --json`` printed, maybe on another machine.
 
     Returns the devices and the document's ``host`` section (empty if absent).
-    Raises ValueError with a message naming the file on anything malformed.
+    Raises ValueError with a message naming the file on anything malformed:
+    for a bad field, ``devices[i].<field>`` or ``host.<field>``, the value, and
+    what is expected.
     """
     try:
         with open(path, encoding="utf-8") as handle:
@@ -185,8 +327,11 @@ def load_device_list(path: str) -> tuple[list[Device], dict[str, Any]]:
         if not isinstance(row, dict):
             raise ValueError(f"device list {path}: devices[{index}] is not an object")
         try:
-            devices.append(Device.from_dict(row))
+            devices.append(Device.from_dict(row, prefix=f"devices[{index}]."))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"device list {path}: devices[{index}]: {exc}") from None
+            raise ValueError(f"device list {path}: {exc}; {FIX_DEVICE_LIST}") from None
     host = doc.get("host")
-    return devices, dict(host) if isinstance(host, dict) else {}
+    problems = host_section_problems(host) if host is not None else []
+    if problems:
+        raise ValueError(f"device list {path}: " + "; ".join(problems) + f"; {FIX_DEVICE_LIST}")
+    return devices, dict(host or {})

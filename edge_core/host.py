@@ -17,7 +17,7 @@ from typing import Any
 #: ISA flags the planner and backends care about, in the order they are shown.
 INTERESTING_FLAGS = (
     "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-    "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+    "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp8",
     "asimd", "sve",
 )
 
@@ -103,7 +103,13 @@ class HostFacts:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HostFacts:
-        """Rebuild from ``to_dict`` output (a device list captured elsewhere)."""
+        """Rebuild from ``to_dict`` output (a device list captured elsewhere).
+
+        ``data`` is trusted to have the documented types: a device list's host
+        section is checked field by field on load
+        (:data:`edge_core.devices.HOST_SECTION_FIELDS`, which a test keeps
+        equal to what this reads), where the file can be named.
+        """
         nodes = tuple(
             NumaNode(
                 node_id=int(n["node_id"]),

@@ -111,3 +111,16 @@ def test_usage_errors_exit_64(args):
     proc = edge(*args)
     assert proc.returncode == 64, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_plan_with_a_device_list_whose_compute_capability_is_a_list_exits_64_naming_it(tmp_path):
+    devices_file = tmp_path / "hand-written.json"
+    devices_file.write_text(json.dumps({"devices": [{
+        "device_id": "cuda:0", "kind": "gpu_discrete", "vendor": "nvidia", "name": "NVIDIA H100", "backend": "vllm:cuda",
+        "runnable": True, "memory_pool": "vram", "memory_bytes": 80 << 30, "compute_capability": [9, 0],
+        "weight_formats": ["dense"], "evidence": {"found": "D"}, "plugin": "cuda"}]}))
+    proc = edge("plan", "--devices", str(devices_file))
+    assert proc.returncode == 64, proc.stderr
+    assert "devices[0].compute_capability is [9, 0]" in proc.stderr and "sm_90" in proc.stderr
+    assert str(devices_file) in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -294,3 +294,179 @@ def test_a_config_the_kv_arithmetic_cannot_read_is_a_refusal_not_an_error(tmp_pa
     assert not plan.admitted
     [refusal] = plan.refusals
     assert refusal.code == "config_unreadable" and "num_hidden_layers" in refusal.message
+
+
+# ---- every candidate keeps its arithmetic, refused or not ----
+
+LLAMA70B = KNOWN_CONFIGS["meta-llama/Llama-3.1-70B"]
+
+
+def small_host_devices():
+    """A 24 GiB CPU (dense, 128-token blocks) and a GPU that executes fp8 only: one budget, one format refusal."""
+    from edge_core import Device
+
+    cpu = Device(device_id="cpu", kind="cpu", vendor="amd", name="EPYC", backend="vllm:cpu", runnable=True,
+                 memory_pool="host_ram", memory_bytes=24 * GIB, weight_formats=("dense",), evidence={"found": "D"},
+                 extras={"kv_block_size": 128})
+    gpu = Device(device_id="cuda:0", kind="gpu_discrete", vendor="nvidia", name="fp8-only GPU", backend="vllm:cuda",
+                 runnable=True, memory_pool="vram", memory_bytes=16 * GIB, compute_capability="sm_90",
+                 weight_formats=("fp8",), evidence={"found": "D"})
+    gone = Device(device_id="cuda:1", kind="gpu_discrete", vendor="nvidia", name="unplugged", backend=None,
+                  runnable=False, memory_pool="vram", memory_bytes=8 * GIB, reason="no driver",
+                  evidence={"found": "D"})
+    return [cpu, gpu, gone]
+
+
+def expected_kv_70b(tokens):
+    return estimate_kv(LLAMA70B, max_model_len=tokens, max_num_seqs=1, max_num_batched_tokens=min(tokens, 2048),
+                       kv_dtype="auto", model_dtype="bfloat16", block_size=128)
+
+
+@pytest.fixture
+def refused_70b(llama70b, host_tree):
+    host = read_host(host_tree(mem_total=24 * GIB, mem_available=23 * GIB))
+    plan = make_plan(str(llama70b), session=SessionSpec(max_model_len=8192), devices=small_host_devices(),
+                     host=host)
+    return plan, host
+
+
+def test_a_budget_refusal_keeps_the_devices_reservations_peak_kv_and_capacity(refused_70b):
+    from factories import tensor_bytes
+
+    plan, host = refused_70b
+    assert not plan.admitted
+    cpu = next(v for v in plan.verdicts if v.device_id == "cpu")
+    assert cpu.gate == "capacity" and [r.code for r in cpu.refusals] == ["budget_exceeds_device"]
+    terms = {t.purpose: t for t in cpu.reservations}
+    weight_bytes = sum(tensor_bytes(*spec) for spec in llama_like_tensors(LLAMA70B).values())
+    assert terms["weights"].bytes == weight_bytes == plan.manifest.weight_bytes
+    expected = expected_kv_70b(8192)
+    assert cpu.kv.bytes_vllm == expected.bytes_vllm == terms["kv_cache"].bytes
+    assert cpu.kv.bytes_flat == expected.bytes_flat
+    assert cpu.peak == peak(cpu.reservations, "host_ram")
+    assert cpu.capacity_bytes == host.usable_bytes == 23 * GIB
+    assert cpu.peak.admission_bytes > cpu.capacity_bytes
+    assert cpu.refusals[0].details["needed_bytes"] == cpu.peak.admission_bytes
+
+
+def test_devices_refused_before_the_arithmetic_name_their_gate_and_have_no_budget(refused_70b):
+    plan, _ = refused_70b
+    rows = {v.device_id: v for v in plan.verdicts}
+    assert rows["cuda:0"].gate == "format" and rows["cuda:0"].refusals[0].code == "weight_format_unsupported"
+    assert rows["cuda:1"].gate == "runnable"
+    for row in (rows["cuda:0"], rows["cuda:1"]):
+        assert not row.reached_budget
+        assert row.reservations == () and row.peak is None and row.kv is None and row.capacity_bytes is None
+
+
+def test_a_refused_plan_carries_the_first_budgeted_candidates_kv_and_no_selected_session(refused_70b):
+    plan, _ = refused_70b
+    cpu = next(v for v in plan.verdicts if v.device_id == "cpu")
+    assert plan.kv == cpu.kv
+    assert plan.reservations == () and plan.peak is None and plan.capacity_bytes is None and not plan.engine_kwargs
+
+
+def test_refused_plan_json_round_trips_every_devices_budget(refused_70b):
+    plan, host = refused_70b
+    doc = json.loads(json.dumps(plan.to_dict()))
+    rows = {row["device_id"]: row for row in doc["devices"]}
+    for row in rows.values():
+        assert {"gate", "reservations", "peak", "kv", "capacity_bytes"} <= set(row)
+    cpu = rows["cpu"]
+    assert cpu["gate"] == "capacity" and cpu["capacity_bytes"] == host.usable_bytes
+    weights = next(t for t in cpu["reservations"] if t["purpose"] == "weights")
+    assert weights["bytes"] == doc["manifest"]["weight_bytes"]
+    assert cpu["kv"]["bytes_vllm"] == expected_kv_70b(8192).bytes_vllm == doc["kv"]["bytes_vllm"]
+    assert cpu["peak"]["admission_bytes"] == sum(t["bytes"] for t in cpu["reservations"] if t["headroom"]) + \
+        cpu["peak"]["predicted_peak_bytes"]
+    gpu = rows["cuda:0"]
+    assert gpu["gate"] == "format" and gpu["refusals"][0]["code"] == "weight_format_unsupported"
+    assert gpu["reservations"] == [] and gpu["peak"] is None and gpu["kv"] is None and gpu["capacity_bytes"] is None
+    assert doc["reservations"] == [] and doc["peak"] is None and doc["admission_bytes"] is None
+
+
+def test_the_selected_devices_verdict_carries_the_admitted_budget(llama8b):
+    plan = plan_for_file(llama8b, "devices-h100.json", max_model_len=4096)
+    [row] = [v for v in plan.verdicts if v.selected]
+    assert row.gate is None and row.reservations == plan.reservations and row.peak == plan.peak
+    assert row.kv == plan.kv and row.capacity_bytes == plan.capacity_bytes == 80 * GIB
+
+
+def test_unknown_gate_names_are_refused():
+    from edge_core.plan import DeviceVerdict
+
+    with pytest.raises(ValueError, match="unknown gate 'vibes'"):
+        DeviceVerdict("cpu", False, gate="vibes")
+
+
+@pytest.fixture
+def small_host_list(tmp_path, host_tree):
+    path = tmp_path / "small-host.json"
+    host = read_host(host_tree(mem_total=24 * GIB, mem_available=23 * GIB))
+    path.write_text(json.dumps({"host": host.to_dict(), "devices": [d.to_dict() for d in small_host_devices()]}))
+    return str(path)
+
+
+def test_edge_plan_explain_prints_the_refused_devices_reservations(llama70b, small_host_list, capsys, monkeypatch):
+    from edge_core.cli import main
+
+    monkeypatch.setenv("EDGE_PLUGINS", "none-installed")  # planned from the list alone, whatever is installed
+    args = ["plan", "--model", str(llama70b), "--devices", small_host_list, "--max-model-len", "8192"]
+    assert main([*args, "--explain"]) == 2
+    out = capsys.readouterr().out
+    assert "budget    cpu (refused at the capacity gate):" in out
+    for purpose in ("weights", "kv_cache", "activations", "external_reserve", "safety_margin"):
+        assert any(line.split()[:1] == [purpose] for line in out.splitlines()), purpose
+    kv_mib = f"{expected_kv_70b(8192).bytes_vllm / 2**20:,.0f} MiB reserved (vLLM rule)"
+    assert f"kv cache {kv_mib}" in out
+    assert "cuda:0 (refused" not in out  # refused at the format gate: no budget to show
+
+
+def test_edge_plan_refused_without_explain_prints_one_budget_line_per_budgeted_device(llama70b, small_host_list,
+                                                                                     capsys, monkeypatch):
+    from edge_core.cli import main
+
+    monkeypatch.setenv("EDGE_PLUGINS", "none-installed")
+    assert main(["plan", "--model", str(llama70b), "--devices", small_host_list, "--max-model-len", "8192"]) == 2
+    out = capsys.readouterr().out
+    from factories import tensor_bytes
+
+    [line] = [line for line in out.splitlines() if line.startswith("  budget ")]
+    weight_bytes = sum(tensor_bytes(*spec) for spec in llama_like_tensors(LLAMA70B).values())
+    kv_bytes = expected_kv_70b(8192).bytes_vllm
+    assert line.startswith("  budget    cpu needs ") and f"of {23 * GIB / 2**30:.2f} GiB (capacity gate)" in line
+    assert f"weights {weight_bytes / 2**30:.2f} GiB" in line and f"kv_cache {kv_bytes / 2**30:.2f} GiB" in line
+    assert "headroom " in line
+    assert "purpose" not in out  # the full table is for --explain
+
+
+def test_explain_is_a_planning_option_of_every_command_that_plans():
+    from edge_core.cli import build_parser
+
+    for command in (["plan"], ["run"], ["accept", "--json", "-"], ["parity", "--json", "-"]):
+        assert build_parser().parse_args([*command, "--explain"]).explain is True
+
+
+def test_backend_gate_refusal_keeps_the_budget_it_was_refused_on(monkeypatch):
+    plan = plan_with_cpu(monkeypatch, DEMO / "tiny-llama-hd16", read_host())
+    [row] = [v for v in plan.verdicts if v.device_id == "cpu"]
+    assert row.gate == "backend" and [r.code for r in row.refusals] == ["kernel_unsupported"]
+    assert {"weights", "kv_cache", "runtime_baseline", "safety_margin"} <= {t.purpose for t in row.reservations}
+    assert row.peak == peak(row.reservations, "host_ram") and row.kv is not None
+
+
+def test_run_accept_and_parity_render_their_refused_plan_as_explain_asks(llama70b, small_host_list, capsys,
+                                                                        monkeypatch):
+    # They plan through plan_from_args and render with print_plan(plan, elapsed, explain=args.explain).
+    from edge_core.cli import build_parser
+    from edge_core.cli.plan import plan_from_args, print_plan
+
+    monkeypatch.setenv("EDGE_PLUGINS", "none-installed")
+    for explain in (["--explain"], []):
+        args = build_parser().parse_args(["run", "--model", str(llama70b), "--devices", small_host_list,
+                                          "--max-model-len", "8192", *explain])
+        plan, _ = plan_from_args(args)
+        print_plan(plan, 0.0, explain=args.explain)
+        out = capsys.readouterr().out
+        assert ("budget    cpu (refused at the capacity gate):" in out) is bool(explain)
+        assert ("budget    cpu needs " in out) is not bool(explain)

@@ -10,7 +10,7 @@ fallbacks. No remedy is ever applied silently.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..budget import peak as combine
@@ -36,14 +36,27 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 @dataclass(frozen=True)
 class DeviceOutcome:
-    """What the gates said for one device: refusals, or the budget that fits."""
+    """What the gates said for one device: refusals and the gate that gave them, and the budget.
+
+    The budget (``reservations``, ``peak``, ``kv``, ``capacity_bytes``) is
+    kept whenever the arithmetic ran, refused or not, so a refusal can show
+    the terms it was decided on; ``capacity_bytes`` is None where the pool's
+    capacity is unknown (a device list without host facts).
+    """
 
     refusals: tuple[Refusal, ...] = ()
+    gate: str | None = None
     reservations: tuple[Reservation, ...] = ()
     peak: Peak | None = None
     capacity_bytes: int | None = None
     kv: KVEstimate | None = None
     notes: tuple[str, ...] = field(default=())
+
+    def verdict(self, device_id: str, selected: bool = False, note: str | None = None) -> DeviceVerdict:
+        """This outcome as the plan's verdict row for ``device_id``."""
+        return DeviceVerdict(device_id, selected, self.refusals, note=note, gate=self.gate,
+                             reservations=self.reservations, peak=self.peak, kv=self.kv,
+                             capacity_bytes=self.capacity_bytes)
 
 
 def candidate_order(devices: list[Device]) -> list[Device]:
@@ -132,10 +145,12 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
     all_refusals: list[Refusal] = []
     for device in candidate_order(devices):
         if device.masked:
-            verdicts.append(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy"))
+            verdicts.append(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy",
+                                          gate="masked"))
             continue
         if not device.runnable:
-            verdicts.append(DeviceVerdict(device.device_id, False, note=f"not runnable here: {device.reason}"))
+            verdicts.append(DeviceVerdict(device.device_id, False, note=f"not runnable here: {device.reason}",
+                                          gate="runnable"))
             continue
         if device.kind in STAGE_ONLY_KINDS:
             refusal = Refusal(
@@ -145,7 +160,7 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
                 remedy=("export a stage of this model to ONNX (scripts/export_stage.py) and plan it with "
                         "`edge plan --model STAGE.onnx`"),
             )
-            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,)))
+            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,), gate="placement"))
             all_refusals.append(refusal)
             continue
         try:
@@ -155,16 +170,16 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
         notes.extend(outcome.notes)
         if outcome.refusals:
             all_refusals.extend(outcome.refusals)
-            verdicts.append(DeviceVerdict(device.device_id, False, outcome.refusals))
+            verdicts.append(outcome.verdict(device.device_id))
             fallbacks.extend(shorter_context_fallbacks(device, list(outcome.refusals)))
             continue
         if selected is None:
             selected = (device, outcome)
-            verdicts.append(DeviceVerdict(device.device_id, True))
+            verdicts.append(outcome.verdict(device.device_id, selected=True))
         else:
             fallbacks.append({"kind": "device", "device_id": device.device_id, "backend": device.backend,
                               "approved": True, "note": "passes every gate; used only if asked for"})
-            verdicts.append(DeviceVerdict(device.device_id, False, note="a fallback: an earlier candidate was selected"))
+            verdicts.append(outcome.verdict(device.device_id, note="a fallback: an earlier candidate was selected"))
 
     if selected is None:
         refusals = list(all_refusals)
@@ -175,21 +190,31 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
                 remedy=("install the backend for this machine's hardware in this venv (edge devices lists what "
                         "is missing), or unmask a kind you masked"),
             ))
-        return refused(refusals, verdicts=tuple(verdicts), fallbacks=tuple(fallbacks), notes=tuple(notes))
+        # The selected session's fields stay empty (nothing was selected); the KV
+        # estimate is the request's, so the first candidate that computed one says it.
+        first_kv = next((v.kv for v in verdicts if v.kv is not None), None)
+        return refused(refusals, verdicts=tuple(verdicts), fallbacks=tuple(fallbacks), notes=tuple(notes),
+                       kv=first_kv)
     device, outcome = selected
-    assert outcome.kv is not None and outcome.peak is not None and outcome.capacity_bytes is not None
+    assert outcome.kv is not None and outcome.peak is not None
+    capacity = outcome.capacity_bytes or 0  # unknown capacity (noted): engine_kwargs_for falls back to the device
     return Plan(
         admitted=True, model_path=model_path, session=session, manifest=manifest, selected_device=device,
-        reservations=outcome.reservations, peak=outcome.peak, capacity_bytes=outcome.capacity_bytes,
+        reservations=outcome.reservations, peak=outcome.peak, capacity_bytes=capacity,
         kv=outcome.kv, engine_kwargs=engine_kwargs_for(manifest, session, device, outcome.kv, outcome.peak,
-                                                       outcome.capacity_bytes),
+                                                       capacity),
         fallbacks=tuple(fallbacks), verdicts=tuple(verdicts), devices_source=devices_source, notes=tuple(notes),
     )
 
 
 def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, host: HostFacts | None,
                    registry: Registry | None, devices: list[Device] | None = None) -> DeviceOutcome:
-    """The format gate, the backend's gates and the capacity gate for one runnable device."""
+    """The format gate, the backend's gates and the capacity gate for one runnable device.
+
+    Past the format gate the whole budget is computed before either later gate
+    decides (it is pure arithmetic), so a device refused by its backend or by
+    capacity keeps the terms it was refused on.
+    """
     owned = registry is not None and registry.owner(device) is not None
     notes: tuple[str, ...] = ()
     if not owned:
@@ -200,28 +225,31 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
     if manifest.weight_format not in formats:
         remedy = registry.call_owner(device, "format_remedy", weight_format=manifest.weight_format) \
             if registry is not None and owned else None
-        return DeviceOutcome(refusals=(format_refusal(device, manifest, formats, remedy),), notes=notes)
+        return DeviceOutcome(refusals=(format_refusal(device, manifest, formats, remedy),), gate="format",
+                             notes=notes)
     block = device.extras.get("kv_block_size")
     kv = estimate_kv(manifest.config, max_model_len=int(session.max_model_len or 0),
                      max_num_seqs=session.max_num_seqs, max_num_batched_tokens=session.max_num_batched_tokens,
                      kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
                      block_size=block if isinstance(block, int) else None)
     terms = core_reservations(device, manifest, session, kv)
+    gated: list[Refusal] = []
     if registry is not None and owned:
         terms += registry.call_owner(device, "reserve_memory", manifest=manifest, session=session, host=host) or []
+        # gate_plan judges the usage terms; headroom is the core's admission policy, added after it.
         gated = registry.call_owner(device, "gate_plan", manifest=manifest, session=session, host=host,
                                     reservations=terms) or []
-        if gated:
-            return DeviceOutcome(refusals=tuple(gated), notes=notes)
     predicted = combine(terms, device.memory_pool).predicted_bytes
-    terms += headroom_reservations(device, predicted)
+    terms = terms + headroom_reservations(device, predicted)  # a new list: gate_plan was handed the old one
     total = combine(terms, device.memory_pool)
     capacity, how = capacity_of(device, host, devices or ())
+    kept = DeviceOutcome(reservations=tuple(terms), peak=total, capacity_bytes=capacity, kv=kv, notes=notes)
+    if gated:
+        return replace(kept, refusals=tuple(gated), gate="backend")
     if capacity is None:
-        notes += (f"{device.device_id}: pool capacity unknown (a device list without host facts); "
-                  "capacity not checked",)
-    elif total.admission_bytes > capacity:
-        return DeviceOutcome(
-            refusals=(capacity_refusal(device, manifest, session, kv, terms, total, capacity, how),), notes=notes)
-    return DeviceOutcome(reservations=tuple(terms), peak=total, capacity_bytes=capacity if capacity is not None else 0,
-                         kv=kv, notes=notes)
+        return replace(kept, notes=notes + (f"{device.device_id}: pool capacity unknown (a device list without "
+                                            "host facts); capacity not checked",))
+    if total.admission_bytes > capacity:
+        refusal = capacity_refusal(device, manifest, session, kv, terms, total, capacity, how)
+        return replace(kept, refusals=(refusal,), gate="capacity")
+    return kept

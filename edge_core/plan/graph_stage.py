@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..budget import MIB, Reservation
@@ -281,15 +281,16 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
         formats = (registry.call_owner(device, "weight_formats") if registry is not None and owned else None) \
             or list(device.weight_formats)
         if not executes_graphs(device, formats):
-            verdicts.append(DeviceVerdict(device.device_id, False, note=(
+            verdicts.append(DeviceVerdict(device.device_id, False, gate="placement", note=(
                 f"runs checkpoints, not exported graphs (formats: {', '.join(formats) or 'none'})")))
             continue
         if device.masked:
-            verdicts.append(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy"))
+            verdicts.append(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy",
+                                          gate="masked"))
             continue
         if not device.runnable:
             refusal = unreachable_refusal(device)
-            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,)))
+            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,), gate="runnable"))
             all_refusals.append(refusal)
             continue
         if not owned:
@@ -299,38 +300,42 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
             remedy = registry.call_owner(device, "format_remedy", weight_format=manifest.weight_format) \
                 if registry is not None and owned else None
             refusal = format_refusal(device, manifest, formats, remedy)
-            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,)))
+            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,), gate="format"))
             all_refusals.append(refusal)
             continue
         terms = stage_reservations(manifest, facts, reference_path)
+        gated: list[Refusal] = []
         if registry is not None and owned:
             terms += registry.call_owner(device, "reserve_memory", manifest=manifest, session=session,
                                          host=host) or []
             gated = registry.call_owner(device, "gate_plan", manifest=manifest, session=session, host=host,
                                         reservations=terms) or []
-            if gated:
-                verdicts.append(DeviceVerdict(device.device_id, False, tuple(gated)))
-                all_refusals.extend(gated)
-                continue
-        terms += headroom_reservations(device, combine(terms, device.memory_pool).predicted_bytes)
+        # The budget is pure arithmetic: computed before the backend's verdict counts, so a
+        # refused device keeps the terms it was refused on (a new list: gate_plan has the old one).
+        terms = terms + headroom_reservations(device, combine(terms, device.memory_pool).predicted_bytes)
         total = combine(terms, device.memory_pool)
         capacity, how = capacity_of(device, host, devices)
+        budget = DeviceVerdict(device.device_id, False, reservations=tuple(terms), peak=total,
+                               capacity_bytes=capacity)
+        if gated:
+            verdicts.append(replace(budget, refusals=tuple(gated), gate="backend"))
+            all_refusals.extend(gated)
+            continue
         if capacity is None:
             notes.append(f"{device.device_id}: host capacity unknown (a device list without host facts or a CPU "
                          "row); capacity not checked")
         elif device.memory_pool == "host_ram" and total.admission_bytes + ledger.admitted_bytes > capacity:
             refusal = stage_capacity_refusal(device, total, capacity, how, ledger)
-            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,)))
+            verdicts.append(replace(budget, refusals=(refusal,), gate="capacity"))
             all_refusals.append(refusal)
             continue
         if selected is None:
             selected = (device, terms, total, capacity, how)
-            verdicts.append(DeviceVerdict(device.device_id, True))
+            verdicts.append(replace(budget, selected=True))
         else:
             fallbacks.append({"kind": "device", "device_id": device.device_id, "backend": device.backend,
                               "approved": True, "note": "passes every gate; used only if asked for"})
-            verdicts.append(DeviceVerdict(device.device_id, False,
-                                          note="a fallback: an earlier candidate was selected"))
+            verdicts.append(replace(budget, note="a fallback: an earlier candidate was selected"))
 
     if selected is None:
         refusals = list(all_refusals)

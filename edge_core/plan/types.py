@@ -31,6 +31,9 @@ REFUSAL_CODES = (
     "execution_provider_declined_graph",
     "numeric_gate_failed",
     "device_unreachable_from_this_process",
+    "serve_unsupported",
+    "architecture_unsupported",
+    "runtime_dependency_missing",
 )
 
 #: Device kinds that take single exported stages, never a whole decode session.
@@ -87,21 +90,58 @@ class SessionSpec:
         }
 
 
+#: The gates a candidate walks, in order; a refused device's verdict names the
+#: one that said no. ``masked`` and ``runnable``: the device list itself says
+#: no; ``placement``: the device takes the other kind of work (a stage-only
+#: kind for a whole session, a checkpoint device for a graph stage);
+#: ``format``: the weight format; ``backend``: the owning backend's
+#: ``gate_plan`` (kernels, its runtime's own capacity check); ``capacity``:
+#: admission bytes against the pool.
+GATES = ("masked", "runnable", "placement", "format", "backend", "capacity")
+
+
 @dataclass(frozen=True)
 class DeviceVerdict:
-    """One candidate device and what the gates said about it."""
+    """One candidate device and what the gates said about it.
+
+    ``gate`` is the gate that refused the device (one of :data:`GATES`), None
+    when it passed every gate (selected, or a fallback). A device that reached
+    the budget arithmetic keeps it, refused or not, so a refusal can be read
+    term by term: ``reservations``, ``peak``, ``kv`` and ``capacity_bytes``
+    (what admission compared with; None where the pool's capacity is unknown).
+    A device refused before the arithmetic has none of them.
+    """
 
     device_id: str
     selected: bool
     refusals: tuple[Refusal, ...] = ()
     note: str | None = None
+    gate: str | None = None
+    reservations: tuple[Reservation, ...] = ()
+    peak: Peak | None = None
+    kv: KVEstimate | None = None
+    capacity_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.gate is not None and self.gate not in GATES:
+            raise ValueError(f"unknown gate {self.gate!r} for {self.device_id}; known: {', '.join(GATES)}")
+
+    @property
+    def reached_budget(self) -> bool:
+        """True when the budget arithmetic ran for this device (its reservations and peak are real)."""
+        return self.peak is not None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "device_id": self.device_id,
             "selected": self.selected,
+            "gate": self.gate,
             "why_not": self.note or "; ".join(r.message for r in self.refusals) or None,
             "refusals": [r.to_dict() for r in self.refusals],
+            "reservations": [r.to_dict() for r in self.reservations],
+            "peak": self.peak.to_dict() if self.peak is not None else None,
+            "kv": _kv_summary(self.kv),
+            "capacity_bytes": self.capacity_bytes,
         }
 
 
@@ -112,6 +152,13 @@ class Plan:
     ``capacity_bytes`` is what admission checked the selected device's pool
     against: the VRAM total for a private pool, the usable host RAM
     (available, clamped by a cgroup limit) for the shared one.
+
+    ``reservations``, ``peak``, ``capacity_bytes`` and ``engine_kwargs`` are
+    the selected device's session, so a refused plan (which selects nothing)
+    leaves them empty; each candidate's own budget is in its verdict. ``kv``
+    describes the request (model and session) more than a device, so a
+    refused plan carries the KV estimate of the first candidate that reached
+    the budget arithmetic (None when none did).
     """
 
     admitted: bool
