@@ -21,7 +21,14 @@ from typing import Any, NoReturn
 
 from ..errors import ArtifactError
 from ._files import canonical, check_contained, content_digest, is_int, open_regular, read_json, reject_duplicates
-from .config import CONFIG_NAME, identity, quantization_of, read_config_sized, resolve_text_config
+from .config import (
+    CONFIG_NAME,
+    fill_library_defaults,
+    identity,
+    quantization_of,
+    read_config_sized,
+    resolve_text_config,
+)
 from .formats import weight_format_for
 from .manifest import ARTIFACT_ID_HEX_CHARS, Manifest
 
@@ -113,6 +120,9 @@ def read_checkpoint(root: str, names: set[str], has_safetensors: bool, digest_we
     dtype_bytes, tensor_count = _check_tensors(root, shards, weight_map)
 
     config, text_key = resolve_text_config(raw_config)
+    # Fields the config leaves to its library (gemma-3's text_config names six):
+    # filled from transformers' configuration class, and listed in the manifest.
+    config, defaults = fill_library_defaults(config, raw_config, text_key)
     quantization = quantization_of(raw_config) if hf_quant is None else hf_quant
     weight_format = weight_format_for(quantization, where=f"{root}/config.json")
 
@@ -142,6 +152,8 @@ def read_checkpoint(root: str, names: set[str], has_safetensors: bool, digest_we
         artifact_id=ident.hexdigest()[:ARTIFACT_ID_HEX_CHARS],
         content_digest=content_digest(root, [s.name for s in shards]) if digest_weights else None,
         text_config_key=text_key,
+        config_defaults=defaults.values,
+        config_defaults_source=defaults.source,
     )
 
 

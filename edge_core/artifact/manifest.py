@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .formats import quantization_scheme_for
 
 #: Hex characters of the short artifact id (a digest of config and headers).
 ARTIFACT_ID_HEX_CHARS = 16
@@ -20,6 +22,10 @@ class Manifest:
     resolved). ``dtype_bytes`` is keyed by the dtype code as the file writes it
     (safetensors ``BF16``, ONNX ``FLOAT16``). ``artifact_id`` digests config and
     headers only; ``content_digest`` (every weight byte) is computed on request.
+    ``config_defaults`` lists the fields ``config`` holds that the published
+    config left to its library (field -> value, from transformers'
+    configuration class for its model_type); ``config_defaults_source`` names
+    that class and version, or why none could be filled (None: none needed).
     """
 
     path: str
@@ -39,6 +45,16 @@ class Manifest:
     content_digest: str | None = None
     onnx: dict[str, Any] | None = None
     text_config_key: str | None = None
+    config_defaults: dict[str, Any] = field(default_factory=dict)
+    config_defaults_source: str | None = None
+    #: The scheme behind ``weight_format`` (bits, group size, symmetry, scale granularity,
+    #: static/dynamic activations: :data:`.formats.SCHEME_KEYS`); derived from
+    #: ``quantization`` when the reader leaves it None.
+    quantization_scheme: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization_scheme is None and self.quantization is not None:
+            object.__setattr__(self, "quantization_scheme", quantization_scheme_for(self.quantization))
 
     @property
     def text_config(self) -> dict[str, Any]:
