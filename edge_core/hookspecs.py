@@ -3,10 +3,11 @@
 Six hooks are fixed by the product (``probe_devices``, ``weight_formats``,
 ``reserve_memory``, ``start_stage``, ``stream``, ``cancel``); more earn their
 place: ``format_remedy``, ``gate_plan``, ``stop_stage``, ``verify_device``, and
-three optional ones a backend implements only when it has something to say
-(``prepare_stage``, ``memory_counter``, ``reference_token_ids``) — a backend
-without them gets the safe default (nothing to prepare, no device counter,
-no parity run).
+optional ones a backend implements only when it has something to say
+(``prepare_stage``, ``memory_counter``, ``reference_token_ids``,
+``start_server``) — a backend without them gets the safe default (nothing to
+prepare, no device counter, no parity run, ``edge serve`` refused with
+``serve_unsupported``).
 
 Dispatch comes in two shapes:
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # imported for annotations only: the core stays cheap to impo
     from .devices import Device, DeviceCounter
     from .host import HostFacts
     from .plan import Plan, Refusal, SessionSpec
+    from .serving import ServerHandle, ServerOptions
     from .stream import DeltaEvent, StageRequest
 
 PROJECT = "edge"
@@ -206,9 +208,25 @@ def reference_token_ids(device: Device, plan: Plan, prompts: list[str], max_toke
     """
 
 
+@hookspec(firstresult=True)
+def start_server(device: Device, plan: Plan, options: ServerOptions) -> ServerHandle | None:
+    """Put ``plan`` behind the runtime's own OpenAI-compatible server; return a handle without serving yet.
+
+    The handle's ``run()`` starts the engine with the plan's engine arguments
+    and nothing else, serves on ``options.sock`` (already bound) with
+    ``options.routes`` added as GET endpoints, calls ``options.on_ready(url)``
+    once ``/health`` answers, and returns a
+    :class:`~edge_core.serving.ServerReport` after SIGTERM or SIGINT: stop
+    accepting, let in-flight requests finish for ``options.drain_timeout_s``,
+    abort the rest, reap every engine process. A second signal forces the
+    stop. Optional; owning backend only (no answer: ``serve_unsupported``).
+    """
+
+
 #: Hooks answered by every plugin; all others go to the owning backend alone.
 BROADCAST_HOOKS = ("probe_devices",)
 OWNER_HOOKS = (
     "weight_formats", "format_remedy", "gate_plan", "reserve_memory", "start_stage", "stream",
     "cancel", "stop_stage", "verify_device", "prepare_stage", "memory_counter", "reference_token_ids",
+    "start_server",
 )

@@ -1,7 +1,7 @@
 """The stage hooks of every backend that runs on vLLM (edge-cpu, edge-cuda), written once.
 
 A backend re-exports these functions from its module
-(``from edge_core.vllm_hooks import cancel, reference_token_ids, start_stage, stop_stage, stream``)
+(``from edge_core.vllm_hooks import cancel, reference_token_ids, start_server, start_stage, stop_stage, stream``)
 and pluggy registers them as its own hookimpls. Dispatch already goes to the
 owning backend only, so the functions need no ownership check. The runtime
 (:mod:`edge_core.runtime.vllm_stage`, which imports vLLM) loads only when a
@@ -21,10 +21,12 @@ from .hookspecs import hookimpl
 if TYPE_CHECKING:
     from .devices import Device
     from .plan import Plan
+    from .runtime.vllm_server import VllmServer
     from .runtime.vllm_stage import VllmStage
+    from .serving import ServerOptions
     from .stream import DeltaEvent, StageRequest
 
-__all__ = ["cancel", "reference_token_ids", "start_stage", "stop_stage", "stream"]
+__all__ = ["cancel", "reference_token_ids", "start_server", "start_stage", "stop_stage", "stream"]
 
 
 @hookimpl
@@ -61,3 +63,10 @@ def reference_token_ids(device: Device, plan: Plan, prompts: list[str], max_toke
     from .runtime import vllm_stage
 
     return vllm_stage.plain_token_ids(device, plan, prompts, max_tokens)
+
+
+@hookimpl
+def start_server(device: Device, plan: Plan, options: ServerOptions) -> VllmServer:
+    from .runtime import vllm_server
+
+    return vllm_server.start(device, plan, options)

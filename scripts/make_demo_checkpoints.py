@@ -177,6 +177,13 @@ def llama_config(*, hidden, layers, heads, kv_heads, inter, vocab, max_pos=2048)
     }
 
 
+#: The demo's chat template: one "<|role|>\ncontent" block per message, then the assistant's tag.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def write_checkpoint(out: Path, cfg: dict, tok, *, seed: int, shard_bytes: int | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("*.safetensors")) + list(out.glob("*.index.json")):
@@ -196,6 +203,8 @@ def write_checkpoint(out: Path, cfg: dict, tok, *, seed: int, shard_bytes: int |
             "unk_token": "<unk>",
             "model_max_length": cfg["max_position_embeddings"],
             "clean_up_tokenization_spaces": False,
+            # A plain role-tagged template, so `edge serve` answers /v1/chat/completions too.
+            "chat_template": CHAT_TEMPLATE,
         },
     )
     write_json(

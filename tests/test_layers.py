@@ -32,7 +32,7 @@ LAYERS = {"edge_core.cli": 4, "edge_core.runtime": 3, "edge_core.plan": 2, "edge
 #: The modules a backend may import (docs/writing-a-backend.md, "What you may import").
 DOCUMENTED_FOR_BACKENDS = (
     "edge_core", "edge_core.hookspecs", "edge_core.devices", "edge_core.host", "edge_core.budget",
-    "edge_core.stream", "edge_core.errors", "edge_core.routes", "edge_core.builds", "edge_core.plan",
+    "edge_core.stream", "edge_core.errors", "edge_core.routes", "edge_core.builds", "edge_core.serving", "edge_core.plan",
     "edge_core.artifact", "edge_core.testing", "edge_core.vllm_hooks", "edge_core.ort_hooks",
     "edge_core.runtime.ort_stage", "edge_core.runtime.vllm_stage",
 )

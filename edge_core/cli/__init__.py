@@ -4,7 +4,7 @@ Exit codes: 0 success/admitted, 2 refused, 3 parity divergence, 1 internal
 error, 64 usage error, 130 interrupted. Every command has ``--json`` with a
 versioned schema (docs/json.md). One module per group of commands:
 :mod:`.devices` (``plugins``, ``devices``), :mod:`.plan` (``plan``),
-:mod:`.run` (``run``, ``accept``, ``parity``).
+:mod:`.run` (``run``, ``accept``, ``parity``), :mod:`.serve` (``serve``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ._common import SCHEMA_VERSION, Parser
 from .devices import add_device_commands
 from .plan import add_plan_command
 from .run import add_run_commands
+from .serve import add_serve_command
 
 __all__ = ["SCHEMA_VERSION", "build_parser", "main"]
 
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_commands(sub)
     add_plan_command(sub)
     add_run_commands(sub)
+    add_serve_command(sub)
     return parser
 
 

@@ -4,6 +4,10 @@ Parse -> :func:`edge_core.plan.make_plan` -> render. Also the planning
 options every command that takes a model shares (``run``, ``accept``,
 ``parity``), and :func:`plan_from_args`, which they all plan through. Nothing
 here imports a runtime.
+
+A refused device that reached the budget arithmetic shows its budget: one
+compact line on a refused plan, or with ``--explain`` its whole reservation
+table, peak against capacity, and KV line (on any plan).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..artifact import DEMO_MODEL
 from ..errors import EXIT_OK, EXIT_REFUSED
@@ -19,6 +23,9 @@ from ..plan import Plan, SessionSpec
 from ..registry import Registry, discover
 from ._common import common_options, mask_from, mask_option, mib, positive_int, registry_from, write_document
 
+if TYPE_CHECKING:
+    from ..budget import Peak, Reservation
+    from ..plan import DeviceVerdict, KVEstimate
 
 def planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR",
@@ -38,6 +45,9 @@ def planning_options(parser: argparse.ArgumentParser) -> None:
                              "...) or a device's backend (vllm:cpu)")
     parser.add_argument("--digest-weights", action="store_true",
                         help="also hash every weight byte into the manifest (slow for big checkpoints)")
+    parser.add_argument("--explain", action="store_true",
+                        help="for every refused device that reached the budget arithmetic, print its "
+                             "reservations, predicted peak and headroom against capacity, and its KV cache")
 
 
 def add_plan_command(sub: Any) -> None:
@@ -54,8 +64,10 @@ def add_plan_command(sub: Any) -> None:
 
 
 def session_from(args: argparse.Namespace) -> SessionSpec:
+    # Eager is right for a one-shot run; `edge serve` decides with --enforce-eager / --compile.
     return SessionSpec(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype)
+                       max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype,
+                       enforce_eager=getattr(args, "enforce_eager", True))
 
 
 def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None) -> tuple[Plan, Registry]:
@@ -78,7 +90,66 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None)
     return plan, registry
 
 
-def print_plan(plan: Plan, elapsed_s: float) -> None:
+def gib(value: int) -> str:
+    """GiB for the sizes a budget refusal is about; MiB below one GiB, where 0.00 GiB would hide a term."""
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else mib(value)
+
+
+def reservation_lines(terms: tuple[Reservation, ...], indent: str = "  ") -> list[str]:
+    """The reservation table: one row per term, headroom marked."""
+    lines = [f"{indent}{'purpose':<22} {'bytes':>12}  {'pool':<9} {'lifetime':<16} ev"]
+    for term in terms:
+        mark = "  (headroom)" if term.headroom else ""
+        lines.append(f"{indent}{term.purpose:<22} {mib(term.bytes):>12}  {term.pool:<9} {term.lifetime:<16} "
+                     f"{term.evidence}{mark}")
+    return lines
+
+
+def peak_line(peak: Peak, capacity_bytes: int | None) -> str:
+    return (f"predicted peak {mib(peak.predicted_bytes)} (max of load path {mib(peak.load_path_bytes)} and "
+            f"steady state {mib(peak.steady_state_bytes)}) + headroom {mib(peak.headroom_bytes)} = "
+            f"{mib(peak.admission_bytes)} of {mib(capacity_bytes)}")
+
+
+def kv_line(kv: KVEstimate) -> str:
+    counts = ", ".join(f"{n} {kind}" for kind, n in kv.layer_counts.items() if n)
+    return (f"{mib(kv.bytes_vllm)} reserved (vLLM rule); flat {mib(kv.bytes_flat)}, by layer type "
+            f"{mib(kv.bytes_by_layer_type)}; {kv.bytes_per_token_flat:,} B/token flat; layers: {counts}")
+
+
+def budget_summary(row: DeviceVerdict) -> str:
+    """One line: what the refused device needed against what it has, term by term."""
+    assert row.peak is not None
+    capacity = gib(row.capacity_bytes) if row.capacity_bytes is not None else "an unknown capacity"
+    usage = ", ".join(f"{t.purpose} {gib(t.bytes)}" for t in row.reservations if not t.headroom)
+    return (f"{row.device_id} needs {gib(row.peak.admission_bytes)} of {capacity} ({row.gate} gate): {usage}, "
+            f"headroom {gib(row.peak.headroom_bytes)}")
+
+
+def budget_explanation(row: DeviceVerdict) -> list[str]:
+    """The refused device's whole budget: reservation table, peak against capacity, KV."""
+    assert row.peak is not None
+    lines = [f"  budget    {row.device_id} (refused at the {row.gate} gate):"]
+    lines += reservation_lines(row.reservations, indent="    ")
+    lines.append(f"    {peak_line(row.peak, row.capacity_bytes)}")
+    if row.kv is not None:
+        lines.append(f"    kv cache {kv_line(row.kv)}")
+    return lines
+
+
+def defaults_line(values: dict[str, Any], source: str | None) -> str:
+    """The fields the config left to its library's defaults, and which class gave them (a layer list by counts)."""
+    labels = {"num_attention_heads": "heads", "num_key_value_heads": "kv heads"}
+    shown = []
+    for name, value in values.items():
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            value = f"{len(value)} ({', '.join(f'{value.count(t)} {t}' for t in dict.fromkeys(value))})"
+        shown.append(f"{labels.get(name, name)} {value}")
+    return f"{', '.join(shown)} from {(source or 'its library').removesuffix(' defaults, read from its source')}"
+
+
+def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
+    """Render ``plan``; with ``explain`` every budgeted device's reservations, peak and KV (``--explain``)."""
     verdict = "ADMITTED" if plan.admitted else "REFUSED"
     manifest = plan.manifest
     what = f"{manifest.architecture or manifest.model_type} {manifest.weight_format} {mib(manifest.weight_bytes)}" \
@@ -86,6 +157,8 @@ def print_plan(plan: Plan, elapsed_s: float) -> None:
     where = f" on {plan.selected_device.device_id} ({plan.backend})" if plan.selected_device is not None else ""
     print(f"{verdict}{where}: {plan.model_path}")
     print(f"  model     {what}" + (f"  [artifact {manifest.artifact_id}]" if manifest is not None else ""))
+    if manifest is not None and manifest.config_defaults:
+        print(f"  defaults  {defaults_line(manifest.config_defaults, manifest.config_defaults_source)}")
     if plan.devices_source != "probed":
         print(f"  devices   planned against {plan.devices_source.removeprefix('file:')} (not this machine)")
     for refusal in plan.refusals:
@@ -102,20 +175,12 @@ def print_plan(plan: Plan, elapsed_s: float) -> None:
         print(f"  session   max_model_len {plan.session.max_model_len}, max_num_seqs {plan.session.max_num_seqs}, "
               f"max_num_batched_tokens {plan.session.max_num_batched_tokens}")
     if plan.admitted and plan.reservations:
-        print(f"  {'purpose':<22} {'bytes':>12}  {'pool':<9} {'lifetime':<16} ev")
-        for term in plan.reservations:
-            mark = "  (headroom)" if term.headroom else ""
-            print(f"  {term.purpose:<22} {mib(term.bytes):>12}  {term.pool:<9} {term.lifetime:<16} {term.evidence}{mark}")
+        for line in reservation_lines(plan.reservations):
+            print(line)
     if plan.admitted and plan.peak is not None:
-        peak = plan.peak
-        print(f"  predicted peak {mib(peak.predicted_bytes)} (max of load path {mib(peak.load_path_bytes)} and "
-              f"steady state {mib(peak.steady_state_bytes)}) + headroom {mib(peak.headroom_bytes)} = "
-              f"{mib(peak.admission_bytes)} of {mib(plan.capacity_bytes)}")
-    if plan.kv is not None:
-        kv = plan.kv
-        counts = ", ".join(f"{n} {kind}" for kind, n in kv.layer_counts.items() if n)
-        print(f"  kv        {mib(kv.bytes_vllm)} reserved (vLLM rule); flat {mib(kv.bytes_flat)}, by layer type "
-              f"{mib(kv.bytes_by_layer_type)}; {kv.bytes_per_token_flat:,} B/token flat; layers: {counts}")
+        print(f"  {peak_line(plan.peak, plan.capacity_bytes)}")
+    if plan.admitted and plan.kv is not None:  # a refused plan's KV is shown per device, with its budget
+        print(f"  kv        {kv_line(plan.kv)}")
     if plan.engine_kwargs:
         shown = ", ".join(f"{k}={v}" for k, v in plan.engine_kwargs.items() if k != "model")
         print(f"  engine    {shown}")
@@ -123,6 +188,14 @@ def print_plan(plan: Plan, elapsed_s: float) -> None:
         if not verdict_row.selected and (plan.admitted or verdict_row.note):
             why = verdict_row.note or "; ".join(f"[{r.code}] {r.message}" for r in verdict_row.refusals)
             print(f"  not used  {verdict_row.device_id}: {why}")
+    for verdict_row in plan.verdicts:
+        if verdict_row.gate is None or not verdict_row.reached_budget:
+            continue
+        if explain:
+            for line in budget_explanation(verdict_row):
+                print(line)
+        elif not plan.admitted:
+            print(f"  budget    {budget_summary(verdict_row)}")
     for fallback in plan.fallbacks:
         print(f"  fallback  {fallback['kind']} {fallback.get('device_id', '')} "
               f"{fallback.get('max_model_len', '')} ({fallback['note']})".replace("  ", " "))
@@ -138,5 +211,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         write_document({**plan.to_dict(), "decision_time_s": round(elapsed, 4)}, "plan")
     else:
-        print_plan(plan, elapsed)
+        print_plan(plan, elapsed, explain=args.explain)
     return EXIT_OK if plan.admitted else EXIT_REFUSED

@@ -26,6 +26,7 @@ from .plan import plan_from_args, planning_options, print_plan
 from .progress import TerminalObserver, say
 
 if TYPE_CHECKING:
+    from ..runtime.logs import EngineLog
     from ..stream import DeltaEvent
 
 #: Default prompt for ``edge run`` with neither --prompt nor piped stdin.
@@ -52,6 +53,22 @@ def record_options(parser: argparse.ArgumentParser) -> None:
     plugin_options(parser)
 
 
+def engine_log_options(parser: argparse.ArgumentParser) -> None:
+    """Where the engine's own output goes: a log file per session (default), a named file, or the terminal."""
+    parser.add_argument("--engine-log", metavar="PATH",
+                        help="write the engine's own output here ('-': the terminal); default: a new file under "
+                             "the temp dir, printed at start, kept only when the engine fails")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the engine's output live (= --engine-log -)")
+
+
+def engine_log_from(args: argparse.Namespace, label: str) -> tuple[EngineLog, bool]:
+    """The session's engine log and whether to keep it after a clean run (a path the user named is kept)."""
+    from ..runtime.logs import EngineLog
+
+    choice = "-" if getattr(args, "verbose", False) else getattr(args, "engine_log", None)
+    return EngineLog.for_session(choice, label), choice is not None
+
+
 def add_run_commands(sub: Any) -> None:
     run = sub.add_parser(
         "run", help="plan, then run one prompt and stream its tokens",
@@ -67,6 +84,7 @@ def add_run_commands(sub: Any) -> None:
     run.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="0 = greedy (default)")
     run.add_argument("--seed", type=int, metavar="N", help="sampling seed (with --temperature > 0)")
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    engine_log_options(run)
     run.set_defaults(handler=cmd_run)
 
     accept = sub.add_parser(
@@ -80,6 +98,7 @@ def add_run_commands(sub: Any) -> None:
     record_options(accept)
     mask_option(accept)
     planning_options(accept)
+    engine_log_options(accept)
     accept.set_defaults(handler=cmd_accept)
 
     parity = sub.add_parser(
@@ -94,6 +113,7 @@ def add_run_commands(sub: Any) -> None:
     planning_options(parity)
     parity.add_argument("--max-tokens", type=positive_int, default=ACCEPT_TOKENS, metavar="N",
                         help=f"tokens per prompt ({ACCEPT_TOKENS})")
+    engine_log_options(parity)
     parity.set_defaults(handler=cmd_parity)
 
 
@@ -109,10 +129,10 @@ def plan_here(args: argparse.Namespace, mask: frozenset[str] | None = None) -> t
     return plan, registry, time.perf_counter() - started
 
 
-def print_plan_beside(plan: Plan, elapsed_s: float, json_target: str | None) -> None:
+def print_plan_beside(plan: Plan, elapsed_s: float, json_target: str | None, explain: bool = False) -> None:
     """The plan, on stderr when stdout carries the JSON record (``--json -``)."""
     with contextlib.redirect_stdout(sys.stderr if json_target == "-" else sys.stdout):
-        print_plan(plan, elapsed_s)
+        print_plan(plan, elapsed_s, explain=explain)
 
 
 def budget_lines(memory: Mapping[str, Any]) -> list[str]:
@@ -195,7 +215,7 @@ def run_graph(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: 
     from ..runtime import run_graph_stage
 
     if not args.json:
-        print_plan(plan, plan_s)
+        print_plan(plan, plan_s, explain=args.explain)
         print(flush=True)
     record = run_graph_stage(plan, registry, seed=args.seed or 0) if isinstance(plan, GraphStagePlan) \
         and plan.admitted else {
@@ -217,7 +237,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             write_document({"outcome": "refused", "plan": plan.to_dict()}, "run")
         else:
-            print_plan(plan, plan_s)
+            print_plan(plan, plan_s, explain=args.explain)
         return EXIT_REFUSED
     try:
         request = StageRequest(prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -225,7 +245,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not args.json:
-        print_plan(plan, plan_s)
+        print_plan(plan, plan_s, explain=args.explain)
         print(flush=True)
     from ..runtime import run_session
 
@@ -234,7 +254,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.write(event.text)
             sys.stdout.flush()
 
-    outcome = run_session(plan, registry, request, observer=TerminalObserver(), on_event=show)
+    engine_log, keep = engine_log_from(args, "run")
+    outcome = run_session(plan, registry, request, observer=TerminalObserver(), on_event=show,
+                          engine_log=engine_log, keep_log=keep)
     if args.json:
         write_document(outcome.to_dict(plan, plan_s), "run")
     else:
@@ -267,7 +289,7 @@ def cmd_accept(args: argparse.Namespace) -> int:
         raise UsageError("edge accept writes its record with --json FILE ('-' for stdout); name a file")
     plan, registry, visible_s = plan_here(args)
     if not plan.admitted or plan.selected_device is None:
-        print_plan_beside(plan, visible_s, args.json)
+        print_plan_beside(plan, visible_s, args.json, args.explain)
         write_document({"outcome": "refused", "criteria": [{
             "name": "decision_visible", "passed": False, "detail": f"refused in {visible_s * 1000:.0f} ms"}],
             "plan": plan.to_dict()}, "accept", args.json)
@@ -277,7 +299,7 @@ def cmd_accept(args: argparse.Namespace) -> int:
     from ..runtime import run_acceptance
 
     document = run_acceptance(plan, registry, visible_s=visible_s, masked_plan=masked_plan, masked_s=masked_s,
-                              observer=TerminalObserver())
+                              observer=TerminalObserver(), engine_log=engine_log_from(args, "accept")[0])
     write_document(document, "accept", args.json)
     for criterion in document["criteria"]:
         say(f"edge: {'PASS' if criterion['passed'] else 'FAIL'} {criterion['name']}: {criterion['detail']}")
@@ -295,12 +317,13 @@ def cmd_accept(args: argparse.Namespace) -> int:
 def cmd_parity(args: argparse.Namespace) -> int:
     plan, registry, plan_s = plan_here(args)
     if not plan.admitted:
-        print_plan_beside(plan, plan_s, args.json)
+        print_plan_beside(plan, plan_s, args.json, args.explain)
         write_document({"outcome": "refused", "plan": plan.to_dict()}, "parity", args.json)
         return EXIT_REFUSED
     from ..runtime import run_parity
 
-    document = run_parity(plan, registry, max_tokens=args.max_tokens, observer=TerminalObserver())
+    document = run_parity(plan, registry, max_tokens=args.max_tokens, observer=TerminalObserver(),
+                          engine_log=engine_log_from(args, "parity")[0])
     write_document(document, "parity", args.json)
     rows = document["prompts"]
     diverged = [row for row in rows if not row["identical"]]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..stream import StageRequest
+from .logs import EngineLog
 from .processes import alive, children_alive
 from .session import Observer, SilentObserver, StageSession, plan_summary, round_or_none
 
@@ -112,7 +113,7 @@ def cancel_mid_request(session: StageSession) -> dict[str, Any]:
 
 
 def run_acceptance(plan: Plan, registry: Registry, *, visible_s: float, masked_plan: Plan, masked_s: float,
-                   observer: Observer | None = None) -> dict[str, Any]:
+                   observer: Observer | None = None, engine_log: EngineLog | None = None) -> dict[str, Any]:
     """The acceptance run of an admitted ``plan``; ``masked_plan`` was planned with its device kind masked.
 
     Returns the record: ``outcome`` ``passed`` or ``failed``, the failed
@@ -123,7 +124,7 @@ def run_acceptance(plan: Plan, registry: Registry, *, visible_s: float, masked_p
     criteria = decision_criteria(plan, visible_s, masked_plan, masked_s)
     results = []
     cancel_info: dict[str, Any] = {}
-    session = StageSession(plan, registry, said)
+    session = StageSession(plan, registry, said, engine_log=engine_log)
     with session:
         for index, prompt in enumerate(PROMPTS):
             request = StageRequest(prompt=prompt, max_tokens=ACCEPT_TOKENS, temperature=0.0, ignore_eos=True)

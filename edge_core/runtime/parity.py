@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StageError, UsageError
 from ..stream import StageRequest
 from .accept import PROMPTS
+from .logs import EngineLog
 from .session import Observer, SilentObserver, StageSession, prepare_stage
 
 if TYPE_CHECKING:
@@ -30,8 +31,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Observer | None = None
-               ) -> dict[str, Any]:
+def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Observer | None = None,
+               engine_log: EngineLog | None = None) -> dict[str, Any]:
     """Both runs of an admitted ``plan``; the record's ``outcome`` is ``identical`` or ``diverged``."""
     said: Observer = observer or SilentObserver()
     device = plan.selected_device
@@ -40,6 +41,7 @@ def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Obs
     if owner is None or "reference_token_ids" not in owner.hooks:
         raise UsageError(f"parity compares the runtime alone with edge's stage; the backend that runs "
                          f"{device.device_id} ({plan.backend}) has no reference run (reference_token_ids)")
+    (engine_log or EngineLog(None)).export()  # the reference run logs where edge's stage will
     node_prep = prepare_stage(registry, plan, said)
     with said.step(f"the runtime alone: {len(PROMPTS)} prompts x {max_tokens} greedy tokens"):
         answer = registry.call_owner(device, "reference_token_ids", plan=plan, prompts=list(PROMPTS),
@@ -49,7 +51,7 @@ def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Obs
         raise StageError(f"the reference run left processes {plain_info['leftover_pids']} running; the second "
                          "engine must not start beside them")
     edge_ids: list[list[int]] = []
-    session = StageSession(plan, registry, said, node_prep=node_prep, prepared=True)
+    session = StageSession(plan, registry, said, node_prep=node_prep, prepared=True, engine_log=engine_log)
     with session:
         for index, prompt in enumerate(PROMPTS):
             request = StageRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

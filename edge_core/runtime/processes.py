@@ -17,30 +17,33 @@ import psutil
 KILL_GRACE_S = 5.0
 
 
-def spawnv_passfds_own_group(path: str, args: list[str], passfds: Any) -> int:
+def spawnv_passfds_own_group(path: str, args: list[str], passfds: Any, output_fd: int | None = None) -> int:
     """``multiprocessing.util.spawnv_passfds`` with the child in a process group of its own.
 
     Same contract as the original (exec ``path`` with ``args``, pass exactly
     ``passfds`` besides stdio, return the pid for multiprocessing to wait on),
-    through ``os.posix_spawn`` with ``setpgroup=0``.
+    through ``os.posix_spawn`` with ``setpgroup=0``. With ``output_fd`` the
+    child's stdout and stderr are that descriptor (the session's engine log).
     """
     keep = {0, 1, 2, *map(int, passfds)}
-    close = []
+    actions: list[tuple[Any, ...]] = []
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
-        if fd not in keep:
+        if fd not in keep and fd != output_fd:
             try:
                 if os.get_inheritable(fd):
-                    close.append((os.POSIX_SPAWN_CLOSE, fd))
+                    actions.append((os.POSIX_SPAWN_CLOSE, fd))
             except OSError:
                 continue  # the listing's own descriptor, already closed
+    if output_fd is not None:
+        actions += [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
     made_inheritable = []
     try:
         for fd in sorted(keep - {0, 1, 2}):
             if not os.get_inheritable(fd):
                 os.set_inheritable(fd, True)
                 made_inheritable.append(fd)
-        return os.posix_spawn(path, list(args), os.environ, file_actions=close, setpgroup=0)
+        return os.posix_spawn(path, list(args), os.environ, file_actions=actions, setpgroup=0)
     finally:
         for fd in made_inheritable:
             os.set_inheritable(fd, False)
@@ -61,13 +64,22 @@ class OwnProcessGroup:
     and inherits its group. Only POSIX systems with ``os.posix_spawn``.
     """
 
+    def __init__(self, output_fd: int | None = None) -> None:
+        #: Where the spawned processes' stdout/stderr go (the engine log); None keeps the terminal.
+        self.output_fd = output_fd
+
     def __enter__(self) -> OwnProcessGroup:
         from multiprocessing import util
 
         self._util = util
         self._original = util.spawnv_passfds
         if hasattr(os, "posix_spawn") and os.path.isdir("/proc/self/fd"):
-            util.spawnv_passfds = spawnv_passfds_own_group  # type: ignore[assignment]  # same contract, str path
+            output_fd = self.output_fd
+
+            def spawn(path: str, args: list[str], passfds: Any) -> int:
+                return spawnv_passfds_own_group(path, args, passfds, output_fd)
+
+            util.spawnv_passfds = spawn  # type: ignore[assignment]  # same contract, str path
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -148,3 +160,52 @@ def children_alive() -> list[int]:
         return [p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     except psutil.Error:
         return []
+
+
+#: Signals an engine process dies of: what each usually means here, and what to do.
+SIGNAL_MEANINGS = {
+    "SIGILL": "an instruction the CPU refused; on AMX CPUs vLLM CPU's kernels without AMX permission: keep edge-cpu "
+              "installed in this venv (its vLLM plugin asks for it) and VLLM_PLUGINS naming edge_cpu_amx if set",
+    "SIGKILL": "killed from outside: the OOM killer, a cgroup memory limit, or a user; free memory or plan a "
+               "shorter context (--max-model-len) or fewer sequences (--max-num-seqs)",
+    "SIGSEGV": "a crash in native code; report it to vLLM with the engine log",
+    "SIGABRT": "native code aborted (an assertion in a kernel or library); the engine log names it",
+    "SIGBUS": "a bad memory access, often a truncated memory-mapped checkpoint file; re-download the weights",
+}
+
+
+def oom_kills(root: str = "/") -> int | None:
+    """The cgroup's ``oom_kill`` count (cgroup v2 memory.events), None where it cannot be read."""
+    try:
+        with open(os.path.join(root, "sys/fs/cgroup/memory.events"), encoding="ascii") as handle:
+            for line in handle:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def death_of(pid: int) -> str | None:
+    """How a child process ended, e.g. ``killed by SIGILL``, ``exit 1``; None if it still runs or is not ours."""
+    try:
+        code = psutil.Process(pid).wait(timeout=0)
+    except psutil.TimeoutExpired:
+        return None
+    except psutil.Error:
+        return None
+    return None if code is None else describe_exit_code(code)
+
+
+def describe_exit_code(code: int) -> str:
+    """``exit 1``, or for a negative code ``killed by SIGILL (what that usually means)``."""
+    import signal
+
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            return f"killed by signal {-code}"
+        return f"killed by {name} ({SIGNAL_MEANINGS.get(name, 'a signal')})"
+    return f"exit {code}"

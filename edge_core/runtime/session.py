@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import StageError
 from ..stream import StreamRun
 from .env import versions
+from .logs import EngineLog
 from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler, compare
 
 if TYPE_CHECKING:
@@ -276,7 +277,8 @@ class StageSession:
     """
 
     def __init__(self, plan: Plan, registry: Registry, observer: Observer | None = None, *,
-                 node_prep: Any = None, prepared: bool = False):
+                 node_prep: Any = None, prepared: bool = False, engine_log: EngineLog | None = None,
+                 keep_log: bool = False):
         if not plan.admitted or plan.selected_device is None:
             raise StageError("a stage starts only from an admitted plan; run `edge plan` to see why it was refused")
         self.plan = plan
@@ -293,8 +295,16 @@ class StageSession:
         self.sampler: ProcessTreeSampler | None = None
         self._report: MemoryReport | None = None
         self._signals = TerminationAsInterrupt()
+        #: Where the engine's own output goes (None: wherever it goes by default, the terminal).
+        self.engine_log = engine_log
+        self._keep_log = keep_log or (engine_log is not None and engine_log.path is None)
+        self._failed = False
 
     def __enter__(self) -> StageSession:
+        (self.engine_log or EngineLog(None)).export()  # never a previous session's log
+        if self.engine_log is not None:
+            if self.engine_log.path is not None:
+                self.observer.message(f"engine log: {self.engine_log.path}")
         if not self._prepared:
             self.node_prep = prepare_stage(self.registry, self.plan, self.observer)
         counter = self.registry.call_owner(self.device, "memory_counter")
@@ -315,8 +325,8 @@ class StageSession:
                 raise StageError(f"the backend that owns {self.device.device_id} ({self.device.plugin}) does not "
                                  "implement start_stage; it can plan but not run")
             self.stage_pids = tuple(getattr(self.stage, "stage_pids", ()))
-        except BaseException:
-            self.__exit__(None, None, None)
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, None)
             raise
         return self
 
@@ -324,7 +334,9 @@ class StageSession:
         """Submit ``request``; iterate (or ``drain()``) the returned consumer for its events."""
         return Consumer(self.registry, self.device, self.stage, request)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object = None, *exc: object) -> None:
+        if exc_type is not None and exc_type is not KeyboardInterrupt:
+            self._failed = True
         try:
             if self.stage is not None and self.stop_answer is None:
                 started = time.perf_counter()
@@ -341,6 +353,8 @@ class StageSession:
                 self.sampler.stop()
                 self._report = self.sampler.report()
             self._signals.__exit__()
+            if self.engine_log is not None and not self._failed and not self._keep_log and self.stop_answer:
+                self.engine_log.remove()  # a clean session's log says nothing anyone needs
 
     def memory(self) -> dict[str, Any]:
         """The budget against every counter, from the samples taken while the session lived."""
@@ -404,7 +418,8 @@ class RunOutcome:
 
 
 def run_session(plan: Plan, registry: Registry, request: StageRequest, *, observer: Observer | None = None,
-                on_event: Callable[[DeltaEvent], None] | None = None) -> RunOutcome:
+                on_event: Callable[[DeltaEvent], None] | None = None, engine_log: EngineLog | None = None,
+                keep_log: bool = False) -> RunOutcome:
     """Start ``plan``'s stage, run ``request`` to its end (events to ``on_event``), stop, measure.
 
     A Ctrl-C (or SIGTERM/SIGHUP) while the request runs cancels it in order —
@@ -415,7 +430,7 @@ def run_session(plan: Plan, registry: Registry, request: StageRequest, *, observ
     consumer: Consumer | None = None
     cancel_report = None
     outcome = "completed"
-    session = StageSession(plan, registry, observer)
+    session = StageSession(plan, registry, observer, engine_log=engine_log, keep_log=keep_log)
     try:
         with session:
             try:

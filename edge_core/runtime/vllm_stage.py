@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StageError
 from ..stream import DeltaEvent, StageRequest, StateHandle
 from .env import apply_runtime_env, versions
+from .logs import EngineLog
 from .numa import TARGET_SLACK_BYTES, NodePrep, prepare_node
-from .processes import OwnProcessGroup, children, reap
+from .processes import OwnProcessGroup, children, death_of, oom_kills, reap
 
 if TYPE_CHECKING:
     from ..devices import Device
@@ -308,7 +309,7 @@ class VllmStage:
             hand_over("error", StageError(f"the stage on {self.device_id} was stopped under the request"))
             raise
         except Exception as exc:  # noqa: BLE001 — every engine failure reaches the consumer
-            hand_over("error", exc)
+            hand_over("error", self._explain(exc))
         finally:
             if generator is not None:
                 try:
@@ -329,6 +330,21 @@ class VllmStage:
         parsed = parse_model_prompt(self.engine.model_config, prompt)
         (engine_input,) = await renderer.render_cmpl_async([parsed], renderer.default_cmpl_tok_params)
         return engine_input
+
+    def _explain(self, exc: Exception) -> Exception:
+        """An engine that died under a request: say which process, of what signal, and what its log said."""
+        if type(exc).__name__ != "EngineDeadError":
+            return exc
+        time.sleep(0.2)  # the engine core's exit status lands a moment after the front notices
+        engine_log = EngineLog.from_environ()
+        deaths = engine_log.deaths() + [f"pid {pid} {how}" for pid in self.stage_pids if (how := death_of(pid))]
+        oom = oom_kills()
+        return StageError(
+            f"the vLLM engine on {self.device_id} died during the request ({type(exc).__name__})"
+            + (f": {', '.join(deaths)}" if deaths else ": the engine core or its worker is gone")
+            + (f"; the cgroup has recorded {oom} OOM kill(s)" if oom else "")
+            + engine_failure_detail(engine_log)
+        )
 
     def _forget(self, state: _Request) -> None:
         with self._lock:
@@ -553,14 +569,17 @@ def start(device: Device, plan: Plan) -> VllmStage:
         )
     env = apply_runtime_env()
     device_pin = pin_cuda_device(device)
+    engine_log = EngineLog.from_environ()
+    engine_log.route_runtime_logging()  # before vLLM is imported: its loggers read the config at import
 
     t0 = time.perf_counter()
     try:
-        import vllm
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.engine.async_llm import AsyncLLM
+        with engine_log.capture_prints():  # vLLM's import prints (Triton, ...) go to its log, not the terminal
+            import vllm
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.platforms import current_platform
+            from vllm.sampling_params import SamplingParams
+            from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as exc:
         raise StageError(
             f"{device.device_id}: vLLM cannot be imported in this interpreter ({exc}); "
@@ -591,18 +610,25 @@ def start(device: Device, plan: Plan) -> VllmStage:
 
     t1 = time.perf_counter()
     try:
-        with OwnProcessGroup():
-            future = asyncio.run_coroutine_threadsafe(make_engine(), loop)
-            engine = _wait_interruptibly(future)
+        log_fd = engine_log.open_fd()
+        try:
+            with OwnProcessGroup(log_fd):
+                future = asyncio.run_coroutine_threadsafe(make_engine(), loop)
+                engine = _wait_interruptibly(future)
+        finally:
+            if log_fd is not None:
+                os.close(log_fd)
     except BaseException as exc:
         _stop_loop(loop, thread)
         new = tuple(pid for pid in children() if pid not in before)
+        deaths = [f"pid {pid} {how}" for pid in new if (how := death_of(pid))]
         reap(new)
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise StageError(
-            f"vLLM could not start on {device.device_id}: {type(exc).__name__}: {exc}. vLLM's log on stderr has "
-            "the root cause; the plan's engine arguments are in `edge plan --json`"
+            f"vLLM could not start on {device.device_id}: {type(exc).__name__}: {exc}"
+            + (f"; engine processes: {', '.join(deaths)}" if deaths else "")
+            + engine_failure_detail(engine_log)
         ) from exc
     engine_start_s = time.perf_counter() - t1
     stage_pids = tuple(sorted(pid for pid in children() if pid not in before))
@@ -672,11 +698,19 @@ def plain_token_ids(device: Device, plan: Plan, prompts: list[str], max_tokens: 
 
     env = apply_runtime_env()
     pin_cuda_device(device)
+    engine_log = EngineLog.from_environ()
+    engine_log.route_runtime_logging()
     before = set(children())
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**dict(plan.engine_kwargs))
+    log_fd = engine_log.open_fd()
+    try:
+        with OwnProcessGroup(log_fd):  # the same process group and output as edge's stage
+            llm = LLM(**dict(plan.engine_kwargs))
+    finally:
+        if log_fd is not None:
+            os.close(log_fd)
     start_s = time.perf_counter() - started
     pids = tuple(pid for pid in children() if pid not in before)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -690,3 +724,13 @@ def plain_token_ids(device: Device, plan: Plan, prompts: list[str], max_tokens: 
     leftover, terminated, killed = reap(pids)
     return ids, {"engine_start_s": round(start_s, 3), "pids": list(pids), "leftover_pids": list(leftover),
                  "terminated_pids": list(terminated), "killed_pids": list(killed), "runtime_env": env.to_dict()}
+
+
+def engine_failure_detail(engine_log: EngineLog) -> str:
+    """What a failure message adds about the engine: the log lines that name the cause, and where the log is."""
+    if engine_log.path is None:
+        return ". vLLM's output above has the root cause; the plan's engine arguments are in `edge plan --json`"
+    causes = engine_log.causes()
+    shown = "".join(f"\n    {line}" for line in causes)
+    return (f". From the engine log ({engine_log.path}):{shown}" if causes
+            else f". The engine log is {engine_log.path}; the plan's engine arguments are in `edge plan --json`")

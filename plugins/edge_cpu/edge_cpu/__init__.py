@@ -1,8 +1,10 @@
 """edge-cpu: the vLLM CPU build as an edge backend.
 
 Hook implementations are the module-level functions below; the work lives in
-private modules (``_probe``, ``_gates``, ``_memory``) and, for running stages,
-in edge-core's shared vLLM stage runtime (imported only when a stage starts).
+private modules (``_probe``, ``_gates``, ``_memory``; ``_vllm_support`` reads the
+installed vLLM's source, ``_schemes`` and ``_models`` judge formats and
+architectures from it) and, for running stages, in edge-core's shared vLLM
+stage runtime (imported only when a stage starts).
 """
 
 from __future__ import annotations
@@ -10,18 +12,27 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import Device, HostFacts, hookimpl
-from edge_core.vllm_hooks import cancel, reference_token_ids, start_stage, stop_stage, stream  # stages run on vLLM
+from edge_core.vllm_hooks import (  # stages and servers run on vLLM
+    cancel,
+    reference_token_ids,
+    start_server,
+    start_stage,
+    stop_stage,
+    stream,
+)
 
-from . import _gates, _memory, _probe
+from . import _gates, _memory, _probe, _schemes, _vllm_support
 
 __all__ = [
     "EDGE_API_VERSION",
     "cancel",
+    "format_remedy",
     "gate_plan",
     "prepare_stage",
     "probe_devices",
     "reference_token_ids",
     "reserve_memory",
+    "start_server",
     "start_stage",
     "stop_stage",
     "stream",
@@ -51,6 +62,13 @@ def weight_formats(device: Device) -> list[str] | None:
 
 
 @hookimpl
+def format_remedy(device: Device, weight_format: str) -> str | None:
+    if not _owns(device):
+        return None
+    return _schemes.format_remedy(_vllm_support.installed_source(), device, weight_format)
+
+
+@hookimpl
 def gate_plan(
     device: Device, manifest: Any, session: Any, host: HostFacts, reservations: list[Any]
 ) -> list[Any] | None:
@@ -64,8 +82,6 @@ def reserve_memory(device: Device, manifest: Any, session: Any, host: HostFacts)
     if not _owns(device):
         return None
     return _memory.reservations(manifest, session, host)
-
-
 
 
 @hookimpl

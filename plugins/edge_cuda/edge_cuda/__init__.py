@@ -13,7 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import hookimpl
-from edge_core.vllm_hooks import cancel, reference_token_ids, start_stage, stop_stage, stream  # stages run on vLLM
+from edge_core.vllm_hooks import (  # stages and servers run on vLLM
+    cancel,
+    reference_token_ids,
+    start_server,
+    start_stage,
+    stop_stage,
+    stream,
+)
 
 from . import _capability, _counter, _memory, _probe
 
@@ -33,6 +40,7 @@ __all__ = [
     "probe_devices",
     "reference_token_ids",
     "reserve_memory",
+    "start_server",
     "start_stage",
     "stop_stage",
     "stream",

@@ -1,0 +1,128 @@
+"""``edge serve``: plan, then put the admitted plan behind the runtime's own OpenAI-compatible server.
+
+Parse -> plan (a refusal exits 2 before any port is opened) ->
+:func:`edge_core.runtime.serve.serve_plan` -> render the lifetime summary.
+Exit 0 after SIGTERM, 130 after SIGINT, 64 for an address that cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, UsageError
+from ..plan import Refusal
+from ._common import mask_option, mib, plugin_options, positive_int, write_document
+from .plan import planning_options, print_plan
+from .progress import TerminalObserver, say
+from .run import engine_log_from, engine_log_options, plan_here
+
+#: Sequences decoded at once when serving, unless --max-num-seqs says otherwise: an editor, a chat UI
+#: and a script or two talk to one local server at a time. It sizes the KV pool (each sequence may
+#: reach the full context); the plan prints how many full-context sequences the device could take.
+SERVE_MAX_NUM_SEQS = 8
+#: Seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted.
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
+
+
+def add_serve_command(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve", help="plan, then serve the model through vLLM's OpenAI-compatible server",
+        description=("Plan first (a refusal exits 2 before any port is opened or anything loads), check the "
+                     "address, then start vLLM's own OpenAI-compatible server with the plan's engine arguments. "
+                     "Besides vLLM's /v1 endpoints: /edge/plan (the plan), /edge/memory and /edge/metrics "
+                     "(predicted vs measured memory). SIGTERM drains and exits 0; Ctrl-C drains and exits 130; "
+                     "a second Ctrl-C forces the stop."),
+    )
+    serve.add_argument("--json", action="store_true", help="print the lifetime record as JSON when the server stops")
+    plugin_options(serve)
+    mask_option(serve)
+    planning_options(serve)
+    serve.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1: this machine only; another address without "
+                            "--api-key prints a warning)")
+    serve.add_argument("--port", type=positive_int, default=8000, help="port to bind (default 8000)")
+    serve.add_argument("--served-model-name", metavar="NAME",
+                       help="the model name clients ask for (default: the model directory's name)")
+    serve.add_argument("--api-key", metavar="KEY", default=os.environ.get("EDGE_API_KEY"),
+                       help="require this bearer key on /v1 and /edge (passed to vLLM's server; env EDGE_API_KEY)")
+    serve.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
+                       help=f"seconds in-flight requests may finish after a stop signal (default "
+                            f"{DEFAULT_DRAIN_TIMEOUT_S:g})")
+    mode = serve.add_mutually_exclusive_group()
+    mode.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=True,
+                      help="run eagerly (the default: starts in about a third of the time; see --compile)")
+    mode.add_argument("--compile", dest="enforce_eager", action="store_false",
+                      help="let vLLM compile the model (CUDA graphs / torch.compile): slower start, faster decode")
+    engine_log_options(serve)
+    serve.set_defaults(handler=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    plan, registry, plan_s = plan_here(args)
+    if not plan.admitted:
+        if args.json:
+            write_document({"outcome": "refused", "plan": plan.to_dict()}, "serve")
+        else:
+            print_plan(plan, plan_s, explain=args.explain)
+        return EXIT_REFUSED
+    device, manifest = plan.selected()
+    owner = registry.owner(device)
+    if owner is None or "start_server" not in owner.hooks:
+        refusal = Refusal(code="serve_unsupported", device_id=device.device_id,
+                          message=f"the backend that runs {device.device_id} ({plan.backend}) cannot serve: it has "
+                                  "no start_server hook",
+                          remedy="run the model once with `edge run`, or install a backend that serves this device")
+        if args.json:
+            write_document({"outcome": "refused", "refusals": [refusal.to_dict()], "plan": plan.to_dict()}, "serve")
+        else:
+            print_plan(plan, plan_s, explain=args.explain)
+            print(f"  refused   [{refusal.code}] {device.device_id}: {refusal.message}")
+            print(f"            remedy: {refusal.remedy}")
+        return EXIT_REFUSED
+    from ..plan.concurrency import full_context_sequences
+    from ..runtime.serve import serve_plan
+
+    fit = full_context_sequences(plan)
+    document = {**plan.to_dict(), "decision_time_s": round(plan_s, 4), "full_context_sequences_that_fit": fit}
+    if not args.json:
+        print_plan(plan, plan_s, explain=args.explain)
+        print(f"  serve     {plan.session.max_num_seqs} sequences of {plan.session.max_model_len} tokens at once "
+              f"(the KV pool is sized for that; up to {fit} would fit on {device.device_id}: --max-num-seqs)",
+              flush=True)
+    name = args.served_model_name or os.path.basename(os.path.normpath(manifest.path))
+    engine_log, _ = engine_log_from(args, "serve")
+    try:
+        record = serve_plan(plan, registry, host=args.host, port=args.port, served_model_name=name,
+                            api_key=args.api_key, drain_timeout_s=max(args.drain_timeout, 0.0),
+                            observer=TerminalObserver(), engine_log=engine_log, plan_document=document)
+    except UsageError:
+        raise
+    server = record["server"]
+    memory = record["memory"]
+    if args.json:
+        write_document(record, "serve")
+    else:
+        ratio = memory["ratio"]
+        say(f"edge: stopped by {server['stopped_by'] or 'the server'}: {server['requests_served']} requests served"
+            f" ({server['requests_failed']} failed), {'drained' if server['drained'] else 'in-flight aborted'}; "
+            f"predicted peak {mib(memory['predicted_peak_bytes'])} vs measured "
+            f"{mib(memory['measured_attributable_bytes'])} ({'-' if ratio is None else f'{ratio:.3f}'}); "
+            f"{'no process left' if not record['processes_left'] else 'processes left: ' + str(record['processes_left'])}")
+    sys.stdout.flush()
+    quiet_exit(engine_log)
+    return EXIT_INTERRUPTED if server["stopped_by"] == "SIGINT" else EXIT_OK
+
+
+def quiet_exit(engine_log: Any) -> None:
+    """After the summary, the runtime's exit-time noise (native leak reports at interpreter teardown) goes to its log."""
+    if engine_log.path is None:
+        return
+    sys.stderr.flush()
+    fd = engine_log.open_fd()
+    if fd is not None:
+        os.dup2(fd, 2)
+        os.close(fd)

@@ -1,0 +1,149 @@
+"""Where the engine's own output goes, and what to show of it when the engine dies.
+
+An engine start prints 30+ lines of vLLM warnings (Triton, LD_PRELOAD, eager
+mode, NUMA binding) between edge's plan and the tokens. By default each
+session sends them to a log file of its own — the path is printed, the file
+is kept when the engine fails, removed after a clean run unless asked to
+keep it — and ``-v`` / ``--engine-log -`` shows them live instead.
+
+Three channels carry the engine's output, and each is routed:
+
+* vLLM's loggers in every process: ``VLLM_LOGGING_CONFIG_PATH`` names a
+  logging config (written next to the log) whose only handler appends to the
+  log, set before vLLM is imported;
+* anything else the engine processes write to stdout/stderr (C++ warnings,
+  ``print``): they are spawned with both descriptors on the log
+  (:class:`~edge_core.runtime.processes.OwnProcessGroup` takes the log's fd);
+* edge's own messages stay on the terminal.
+
+The session names the log through :data:`ENGINE_LOG_ENV`, so the stage
+runtimes a backend's hooks start read the same destination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+
+from .processes import describe_exit_code
+
+#: The session's engine log: a file path, or ``-`` for the terminal.
+ENGINE_LOG_ENV = "EDGE_ENGINE_LOG"
+#: Where logs go when the user names none: one file per session.
+DEFAULT_LOG_DIR = os.path.join(tempfile.gettempdir(), "edge-logs")
+#: Lines of a failed engine's log that say why, in the order they appear.
+CAUSE_PATTERN = re.compile(
+    r"(Error|Exception|Traceback|FATAL|Fatal|fatal|Killed|SIGILL|SIGSEGV|SIGKILL|SIGABRT|Aborted|"
+    r"Illegal instruction|Segmentation fault|out of memory|OOM|refus)", re.ASCII)
+#: How many cause lines a failure message shows.
+CAUSE_LINES = 8
+#: vLLM's executor reporting a worker's death (vllm/v1/executor/multiproc_executor.py, 0.32).
+WORKER_DEATH = re.compile(r"Worker proc (?P<name>\S+) died unexpectedly \(exit code: (?P<code>-?\d+)\)")
+
+
+@dataclass(frozen=True)
+class EngineLog:
+    """One session's engine log file (``path`` None: the terminal)."""
+
+    path: str | None
+
+    @classmethod
+    def for_session(cls, choice: str | None, label: str) -> EngineLog:
+        """``choice`` ``-`` is the terminal, a path is that file, None a new file under :data:`DEFAULT_LOG_DIR`."""
+        if choice == "-":
+            return cls(None)
+        if choice:
+            return cls(os.path.abspath(choice))
+        os.makedirs(DEFAULT_LOG_DIR, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)[:40]
+        return cls(os.path.join(DEFAULT_LOG_DIR, f"{stamp}-{safe}-{os.getpid()}.log"))
+
+    @classmethod
+    def from_environ(cls, environ: MutableMapping[str, str] | None = None) -> EngineLog:
+        value = (os.environ if environ is None else environ).get(ENGINE_LOG_ENV)
+        return cls(None if value in (None, "", "-") else value)
+
+    def export(self, environ: MutableMapping[str, str] | None = None) -> None:
+        """Name this log in the environment, for the stage runtime and every engine process."""
+        env = os.environ if environ is None else environ
+        env[ENGINE_LOG_ENV] = self.path or "-"
+
+    def route_runtime_logging(self, environ: MutableMapping[str, str] | None = None) -> None:
+        """Point vLLM's loggers (this process and every engine process) at the file; call before ``import vllm``."""
+        if self.path is None:
+            return
+        env = os.environ if environ is None else environ
+        config_path = self.path + ".logging.json"
+        config = {
+            "version": 1,
+            "disable_existing_loggers": False,
+            "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(process)d %(name)s: %(message)s"}},
+            "handlers": {"file": {"class": "logging.FileHandler", "filename": self.path, "mode": "a",
+                                  "formatter": "plain", "level": "DEBUG"}},
+            "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
+        }
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(config_path, "w", encoding="utf-8") as handle:
+            json.dump(config, handle)
+        env["VLLM_CONFIGURE_LOGGING"] = "1"
+        env["VLLM_LOGGING_CONFIG_PATH"] = config_path
+
+    def open_fd(self) -> int | None:
+        """A write descriptor on the log for spawned processes' stdout/stderr (None: they keep the terminal)."""
+        if self.path is None:
+            return None
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+
+    def causes(self, limit: int = CAUSE_LINES) -> list[str]:
+        """The last ``limit`` lines of the log that name a cause (errors, signals, OOM)."""
+        if self.path is None or not os.path.isfile(self.path):
+            return []
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as handle:
+                lines = handle.read()[-1_000_000:].splitlines()
+        except OSError:
+            return []
+        hits = [line.strip() for line in lines if CAUSE_PATTERN.search(line)]
+        return hits[-limit:]
+
+    def deaths(self) -> list[str]:
+        """Engine processes the log reports dead, with the signal and what it usually means."""
+        if self.path is None or not os.path.isfile(self.path):
+            return []
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as handle:
+                text = handle.read()[-1_000_000:]
+        except OSError:
+            return []
+        out = []
+        for match in WORKER_DEATH.finditer(text):
+            out.append(f"{match['name']} {describe_exit_code(int(match['code']))}")
+        return out
+
+    @contextlib.contextmanager
+    def capture_prints(self) -> Iterator[None]:
+        """Python-level stdout/stderr of this process into the log while the block runs (e.g. the runtime's import)."""
+        if self.path is None:
+            yield
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as handle, contextlib.redirect_stderr(handle), \
+                contextlib.redirect_stdout(handle):
+            yield
+
+    def remove(self) -> None:
+        """Drop the log and its logging config after a clean session."""
+        for path in (self.path, (self.path or "") + ".logging.json"):
+            if path and os.path.isfile(path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass

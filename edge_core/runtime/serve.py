@@ -1,0 +1,241 @@
+"""``edge serve``: an admitted plan in front of the runtime's own OpenAI-compatible server, watched while it serves.
+
+:func:`serve_plan` is the order of things, the same for every backend that
+implements ``start_server``:
+
+1. the address is bound before anything loads (:func:`bind_listener`), so a
+   port in use is an error naming the port and its holder in milliseconds;
+2. the backend prepares the device (``prepare_stage``), then the memory
+   baseline is taken and the 0.25 s process-tree sampler starts, exactly as
+   for ``edge run`` (:class:`~edge_core.runtime.session.StageSession`'s order);
+3. the backend's server runs in this thread until SIGTERM or SIGINT, with
+   edge's endpoints beside the runtime's: ``/edge/plan`` (the plan document),
+   ``/edge/memory`` (predicted vs measured, JSON) and ``/edge/metrics``
+   (the same as Prometheus gauges);
+4. a watcher compares the sampled peak with the prediction every period: the
+   first time the measurement exceeds it, it says so loudly, once, and counts
+   it (``edge_memory_over_prediction_total``) — the plan was wrong;
+5. after the stop: every engine process reaped, the port free, the lifetime
+   summary (requests served, predicted vs measured peak) as a record.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import StageError, UsageError
+from ..serving import ServerOptions
+from .env import versions
+from .logs import EngineLog
+from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler
+from .processes import children_alive
+from .session import Observer, SilentObserver, memory_record, plan_summary, prepare_stage
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+    from ..registry import Registry
+    from .measure import MemoryReport
+
+#: Addresses that reach only this machine; anything else without an API key gets a warning.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, or a UsageError naming the port and, when found, its holder."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UsageError(f"port {port} on {host} is already in use{port_holder(port)}; stop that process or "
+                             "pick another with --port") from None
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; check --host and --port") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def port_holder(port: int) -> str:
+    """`` by pid N (command)`` for the process listening on ``port``, when this user may see it."""
+    import psutil
+
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                try:
+                    cmd = " ".join(psutil.Process(conn.pid).cmdline()[:4])
+                except psutil.Error:
+                    cmd = "?"
+                return f" by pid {conn.pid} ({cmd})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+class MemoryWatch:
+    """Predicted vs measured while the server runs: the live figures, and a loud note the first time it is exceeded."""
+
+    def __init__(self, plan: Plan, sampler: ProcessTreeSampler, observer: Observer, counter: str):
+        assert plan.peak is not None
+        self.plan = plan
+        self.sampler = sampler
+        self.observer = observer
+        self.counter = counter
+        self.predicted_bytes = plan.peak.predicted_bytes
+        self.exceeded = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="edge-memory-watch", daemon=True)
+
+    def start(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def snapshot(self) -> dict[str, Any]:
+        report = self.sampler.report()
+        entry = report.counter(self.counter)
+        last = self.sampler.last_sample
+        current = last.value(self.counter) if last is not None else None
+        baseline = entry.baseline_bytes
+        return {
+            "counter": self.counter,
+            "predicted_peak_bytes": self.predicted_bytes,
+            "measured_peak_bytes": entry.attributable_peak_bytes,
+            "measured_current_bytes": (current - baseline) if current is not None and baseline is not None else None,
+            "ratio": (round(self.predicted_bytes / entry.attributable_peak_bytes, 4)
+                      if entry.attributable_peak_bytes else None),
+            "exceeded_count": self.exceeded,
+            "samples": report.sample_count,
+            "note": report.note,
+        }
+
+    def _loop(self) -> None:
+        while not self._stop.wait(DEFAULT_PERIOD_S):
+            peak = self.sampler.report().counter(self.counter).attributable_peak_bytes
+            if peak is not None and peak > self.predicted_bytes:
+                self.exceeded += 1
+                if self.exceeded == 1:
+                    self.observer.message(
+                        f"WARNING: measured {self.counter} peak {peak / 2**20:,.0f} MiB exceeds the predicted "
+                        f"{self.predicted_bytes / 2**20:,.0f} MiB: the plan under-predicted this session; "
+                        "please report it with `edge plan --json` and this server's /edge/memory")
+
+    def prometheus(self) -> bytes:
+        snap = self.snapshot()
+        lines = [
+            "# HELP edge_memory_predicted_peak_bytes The plan's predicted session peak.",
+            "# TYPE edge_memory_predicted_peak_bytes gauge",
+            f'edge_memory_predicted_peak_bytes{{counter="{self.counter}"}} {snap["predicted_peak_bytes"]}',
+            "# HELP edge_memory_measured_peak_bytes Sampled attributable peak (a lower bound).",
+            "# TYPE edge_memory_measured_peak_bytes gauge",
+            f'edge_memory_measured_peak_bytes{{counter="{self.counter}"}} {snap["measured_peak_bytes"] or 0}',
+            "# HELP edge_memory_measured_current_bytes Sampled attributable bytes now.",
+            "# TYPE edge_memory_measured_current_bytes gauge",
+            f'edge_memory_measured_current_bytes{{counter="{self.counter}"}} {snap["measured_current_bytes"] or 0}',
+            "# HELP edge_memory_over_prediction_total Samples whose peak exceeded the prediction.",
+            "# TYPE edge_memory_over_prediction_total counter",
+            f"edge_memory_over_prediction_total {self.exceeded}",
+        ]
+        return ("\n".join(lines) + "\n").encode()
+
+
+def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_model_name: str,
+               api_key: str | None = None, drain_timeout_s: float = 5.0, observer: Observer | None = None,
+               engine_log: EngineLog | None = None, plan_document: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Serve an admitted ``plan`` until SIGTERM/SIGINT; return the lifetime record.
+
+    ``plan_document`` is what ``/edge/plan`` answers (default: ``plan.to_dict()``).
+    Raises :class:`UsageError` for an address that cannot be bound and
+    :class:`StageError` when the backend cannot serve or its server fails.
+    """
+    said: Observer = observer or SilentObserver()
+    device, manifest = plan.selected()
+    owner = registry.owner(device)
+    if owner is None or "start_server" not in owner.hooks:
+        raise StageError(f"serve_unsupported: the backend that runs {device.device_id} ({plan.backend}) has no "
+                         "start_server hook, so edge cannot put this plan behind a server; `edge run` runs it once")
+    if host not in LOOPBACK_HOSTS and not api_key:
+        said.message(f"WARNING: serving on {host}, reachable from other machines, without --api-key: anyone who "
+                     "can reach the port can use the model")
+    sock = bind_listener(host, port)
+    (engine_log or EngineLog(None)).export()
+    if engine_log is not None and engine_log.path is not None:
+        said.message(f"engine log: {engine_log.path}")
+    try:
+        node_prep = prepare_stage(registry, plan, said)
+        counter = registry.call_owner(device, "memory_counter")
+        sampler = ProcessTreeSampler(os.getpid(), DEFAULT_PERIOD_S,
+                                     device_counter=counter.read if counter is not None else None,
+                                     device_source=counter.source if counter is not None else "none")
+        sampler.baseline()
+        sampler.start()
+        headline = "tree_pss" if device.memory_pool == "host_ram" else "device"
+        watch = MemoryWatch(plan, sampler, said, headline).start()
+        document = plan_document if plan_document is not None else plan.to_dict()
+        ready: dict[str, Any] = {}
+        loading = said.step(f"loading {manifest.architecture or manifest.model_type} on {device.device_id} for "
+                            f"{served_model_name}")
+        loading.__enter__()
+
+        def on_ready(url: str) -> None:
+            ready["url"], ready["s"] = url, time.monotonic() - started
+            loading.__exit__(None, None, None)
+            said.message(f"serving {served_model_name} at {url}/v1 (plan: {device.device_id}, "
+                         f"{plan.session.max_num_seqs} sequences x {plan.session.max_model_len} tokens, predicted "
+                         f"peak {watch.predicted_bytes / 2**20:,.0f} MiB); plan at {url}/edge/plan; Ctrl-C stops")
+
+        options = ServerOptions(
+            host=host, port=port, served_model_name=served_model_name, sock=sock, api_key=api_key,
+            drain_timeout_s=drain_timeout_s, on_ready=on_ready, log_path=engine_log.path if engine_log else None,
+            routes={
+                "/edge/plan": lambda: ("application/json", json.dumps(document, default=str).encode()),
+                "/edge/memory": lambda: ("application/json", json.dumps(watch.snapshot()).encode()),
+                "/edge/metrics": lambda: ("text/plain; version=0.0.4", watch.prometheus()),
+            })
+        started = time.monotonic()
+        handle = registry.call_owner(device, "start_server", plan=plan, options=options)
+        if handle is None:
+            raise StageError(f"serve_unsupported: {owner.name}'s start_server returned no server for "
+                             f"{device.device_id}")
+        try:
+            report = handle.run()
+        finally:
+            if "url" not in ready:
+                loading.__exit__(StageError, None, None)
+            watch.stop()
+            sampler.stop()
+    finally:
+        sock.close()
+    memory: MemoryReport = sampler.report()
+    left = children_alive()
+    record = {
+        "outcome": "stopped",
+        "stopped_by": report.stopped_by,
+        "model": plan.model_path,
+        "served_model_name": served_model_name,
+        "artifact_id": manifest.artifact_id,
+        "device": device.device_id,
+        "url": ready.get("url"),
+        "timings": {"ready_s": round(ready["s"], 3) if "s" in ready else None,
+                    "lifetime_s": round(time.monotonic() - started, 3)},
+        "server": report.to_dict(),
+        "memory": memory_record(plan, memory),
+        "memory_exceeded_count": watch.exceeded,
+        "processes_left": left,
+        "plan": plan_summary(plan),
+        "node_prep": node_prep.to_dict() if node_prep is not None else None,
+        "versions": versions(),
+    }
+    return record

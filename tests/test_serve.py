@@ -1,0 +1,442 @@
+"""``edge serve`` (edge_core/cli/serve.py over edge_core/runtime/serve.py and runtime/vllm_server.py).
+
+The hermetic tests check the address check, the memory watch and the
+refusals without an engine. The ``vllm`` tests start one real ``edge serve``
+on the demo checkpoint (vLLM CPU, a free loopback port) and talk to it with
+the ``openai`` client, as an editor or a chat UI would; every request loop is
+bounded and goes to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from edge_core.artifact import DEMO_MODEL, DEMO_MODEL_HD16
+from edge_core.errors import UsageError
+from edge_core.runtime.serve import bind_listener
+
+NEEDS = [name for name in ("vllm", "edge_cpu", "openai") if importlib.util.find_spec(name) is None]
+needs_vllm = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build, edge-cpu and openai; missing: {NEEDS}"),
+]
+#: Seconds a demo server may take to answer /health on 2 cores (measured 40-50 s).
+READY_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def edge(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edge_core", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+# ---------------------------------------------------------------- hermetic
+
+def test_a_port_in_use_is_a_usage_error_naming_it():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        with pytest.raises(UsageError, match=f"port {port} on 127.0.0.1 is already in use"):
+            bind_listener("127.0.0.1", port)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("edge_cpu") is None, reason="needs edge-cpu to admit the demo")
+def test_serve_on_a_port_in_use_fails_fast_before_anything_loads():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        done = edge("serve", "--port", str(port), "--backend", "cpu")
+    assert done.returncode == 64, done.stderr[-2000:]
+    assert f"port {port}" in done.stderr and "already in use" in done.stderr
+    assert "loading" not in done.stderr and "engine log" not in done.stderr  # refused before anything started
+    assert "Traceback" not in done.stderr
+
+
+def test_a_refused_plan_exits_2_and_never_opens_the_port():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edge_core", "serve", "--model", str(DEMO_MODEL_HD16),
+                             "--port", str(port), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    listened = False
+    while proc.poll() is None:
+        listened = listened or not port_is_free(port)
+        time.sleep(0.01)
+    out, err = proc.communicate()
+    assert proc.returncode == 2, err[-2000:]
+    doc = json.loads(out)
+    assert doc["schema"] == "edge.serve" and doc["outcome"] == "refused"
+    codes = {r["code"] for r in doc["plan"]["refusals"]}
+    assert codes & {"kernel_unsupported", "no_backend_installed", "no_runnable_device"}, codes
+    assert not listened and port_is_free(port)
+
+
+def test_serve_help_explains_the_stop_and_the_endpoints():
+    done = edge("serve", "--help")
+    assert done.returncode == 0
+    for words in ("/edge/plan", "SIGTERM", "--drain-timeout", "--api-key", "--compile", "127.0.0.1"):
+        assert words in done.stdout, words
+
+
+# ---------------------------------------------------------------- real vLLM
+
+
+class Server:
+    """One ``edge serve`` process on the demo, in a session of its own so a signal reaches only it."""
+
+    def __init__(self, tmp: Path, *extra: str):
+        self.port = free_port()
+        self.log = tmp / "engine.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_core", "serve", "--port", str(self.port), "--enforce-eager",
+             "--engine-log", str(self.log), "--drain-timeout", "3", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stderr = ""
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"edge serve exited {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError("edge serve did not become ready")
+
+    def tree(self) -> list[int]:
+        try:
+            return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def stop(self, signum: int) -> tuple[int, str, str]:
+        self.proc.send_signal(signum)
+        out, err = self.proc.communicate(timeout=120)
+        self.stderr = err
+        return self.proc.returncode, out, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            for pid in self.tree():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def post(url: str, body: bytes) -> int:
+    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("serve"))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.kill()
+
+
+class TestRealServer:
+    pytestmark = needs_vllm
+
+    def client(self, served):
+        import openai
+
+        return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def test_models_lists_the_served_name(self, served):
+        names = [m.id for m in self.client(served).models.list().data]
+        assert names == [DEMO_MODEL.name]
+
+    def test_a_completion_and_a_streamed_completion(self, served):
+        client = self.client(served)
+        done = client.completions.create(model=DEMO_MODEL.name, prompt="The gateway box", max_tokens=8,
+                                         temperature=0)
+        assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens >= 1
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model=DEMO_MODEL.name, prompt="The gateway box", max_tokens=8, temperature=0, stream=True)]
+        assert "".join(pieces) == done.choices[0].text  # greedy: the stream is the same text, in pieces
+        assert len(pieces) > 1
+
+    def test_a_chat_completion(self, served):
+        done = self.client(served).chat.completions.create(
+            model=DEMO_MODEL.name, messages=[{"role": "user", "content": "Say something."}], max_tokens=6)
+        assert done.choices[0].message.role == "assistant" and done.usage.completion_tokens >= 1
+
+    def test_a_one_token_prompt_works(self, served):
+        done = self.client(served).completions.create(model=DEMO_MODEL.name, prompt="Hi", max_tokens=4)
+        assert done.usage.prompt_tokens <= 3 and done.usage.completion_tokens >= 1
+
+    def test_eight_concurrent_streams_each_get_their_own_text(self, served):
+        client = self.client(served)
+        prompts = [f"Client {i} asks about the memory budget of" for i in range(8)]
+        results: dict[int, str] = {}
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                stream = client.completions.create(model=DEMO_MODEL.name, prompt=prompts[i], max_tokens=16,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True})
+                results[i] = "".join(c.choices[0].text for c in stream)
+            except BaseException as exc:  # noqa: BLE001 — reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert not errors and len(results) == 8
+        # Each stream's text is what the same prompt gives alone (greedy, its own request, not another's).
+        alone = client.completions.create(model=DEMO_MODEL.name, prompt=prompts[3], max_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+        assert results[3] == alone
+
+    def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(self, served):
+        body = json.dumps({"model": DEMO_MODEL.name, "prompt": "Tokens arrive one at a time", "max_tokens": 1500,
+                           "stream": True, "ignore_eos": True}).encode()
+        def generated_total() -> float:
+            _, metrics = get(f"{served.url}/metrics")
+            return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.decode().splitlines()
+                       if line.startswith("vllm:generation_tokens_total"))
+
+        before = generated_total()
+        conn = socket.create_connection(("127.0.0.1", served.port), timeout=30)
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        deadline = time.monotonic() + 30
+        while b"data:" not in received and time.monotonic() < deadline:  # streaming has begun
+            received += conn.recv(65536)
+        assert b"data:" in received
+        conn.close()  # the client goes away mid-stream
+        # vLLM aborts a request whose client has gone: it stops running long before its 1500 tokens
+        # (at the demo's ~100 tok/s it would still be running for 15 s).
+        deadline = time.monotonic() + 10
+        running = None
+        while time.monotonic() < deadline:
+            _, metrics = get(f"{served.url}/metrics")
+            lines = metrics.decode().splitlines()
+            running = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running")]
+            if running and sum(running) == 0:
+                break
+            time.sleep(0.25)
+        assert running is not None and sum(running) == 0, "the request kept running after its client left"
+        assert generated_total() - before < 1500  # it was aborted, not decoded to its end
+
+    def test_bad_client_input_gets_a_4xx_and_the_server_keeps_serving(self, served):
+        url = f"{served.url}/v1/completions"
+        too_long = json.dumps({"model": DEMO_MODEL.name, "prompt": "word " * 5000, "max_tokens": 4}).encode()
+        assert 400 <= post(url, too_long) < 500
+        assert 400 <= post(url, json.dumps({"model": DEMO_MODEL.name, "prompt": "x", "max_tokens": 0}).encode()) < 500
+        huge = json.dumps({"model": DEMO_MODEL.name, "prompt": "x", "max_tokens": 10**9}).encode()
+        assert 400 <= post(url, huge) < 500
+        assert 400 <= post(url, b"{not json") < 500
+        assert post(url, json.dumps({"model": DEMO_MODEL.name, "prompt": "Still here", "max_tokens": 2}).encode()) \
+            == 200
+
+    def test_the_plan_and_the_memory_gauges_answer(self, served):
+        status, body = get(f"{served.url}/edge/plan")
+        plan = json.loads(body)
+        assert status == 200 and plan["admitted"] and plan["selected_device"] == "cpu"
+        assert plan["engine_kwargs"]["max_num_seqs"] == 8  # serve's default concurrency
+        status, body = get(f"{served.url}/edge/memory")
+        memory = json.loads(body)
+        assert status == 200 and memory["predicted_peak_bytes"] == plan["predicted_peak_bytes"]
+        assert memory["measured_peak_bytes"] > 0 and memory["samples"] > 0
+        status, body = get(f"{served.url}/edge/metrics")
+        text = body.decode()
+        assert status == 200 and "edge_memory_predicted_peak_bytes" in text
+        assert "edge_memory_over_prediction_total 0" in text
+
+    def test_sigterm_exits_0_with_no_process_left_and_the_port_free(self, served):
+        tree = served.tree()
+        assert tree, "the server has engine processes"
+        code, out, err = served.stop(signal.SIGTERM)
+        assert code == 0, err[-3000:]
+        assert "stopped by SIGTERM" in err and "no process left" in err
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in tree):
+            time.sleep(0.2)
+        assert not [p for p in tree if psutil.pid_exists(p)]
+        assert port_is_free(served.port)
+        assert "Traceback" not in err
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build, edge-cpu and openai; missing: {NEEDS}")
+def test_sigint_exits_130_and_a_json_summary_is_written(tmp_path):
+    server = Server(tmp_path, "--json")
+    try:
+        server.wait_ready()
+        tree = server.tree()
+        code, out, err = server.stop(signal.SIGINT)
+    finally:
+        server.kill()
+    assert code == 130, err[-3000:]
+    record = json.loads(out)
+    assert record["schema"] == "edge.serve" and record["stopped_by"] == "SIGINT"
+    assert record["memory"]["verdict"] == "bounds", record["memory"]
+    assert record["processes_left"] == [] and not [p for p in tree if psutil.pid_exists(p)]
+    assert port_is_free(server.port)
+
+
+# ---------------------------------------------------------------- the hook, with a fake server
+
+def fake_server_backend(calls: list) -> object:
+    """A backend whose "server" answers edge's own routes over a real loopback socket, then stops."""
+    import types
+
+    from edge_core import Device, hookimpl
+    from edge_core.serving import ServerReport
+
+    module = types.ModuleType("edge_fake_server")
+    module.EDGE_API_VERSION = 1
+
+    @hookimpl
+    def probe_devices(host):
+        return [Device(device_id="gpu_discrete:fake", kind="gpu_discrete", vendor="fake", name="Fake GPU",
+                       backend="fake:gpu", runnable=True, memory_pool="vram", memory_bytes=8 << 30,
+                       weight_formats=("dense",), evidence={"found": "D", "runnable": "D"})]
+
+    class Handle:
+        def __init__(self, options):
+            self.options = options
+
+        def run(self):
+            sock = self.options.sock
+            self.options.on_ready(self.options.url)
+            conn, _ = sock.accept()  # one client: the test fetching /edge/plan
+            request = conn.recv(4096).decode()
+            path = request.split()[1]
+            media_type, body = self.options.routes[path]()
+            conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Type: {media_type}\r\nContent-Length: {len(body)}\r\n"
+                         "Connection: close\r\n\r\n".encode() + body)
+            conn.close()
+            calls.append(("served", path))
+            return ServerReport(stopped_by="SIGTERM", requests_served=1, requests_failed=0, stage_pids=(),
+                                leftover_pids=(), drained=True, seconds=0.1)
+
+    @hookimpl
+    def start_server(device, plan, options):
+        calls.append(("start_server", device.device_id, options.served_model_name, options.port))
+        return Handle(options)
+
+    module.probe_devices, module.start_server = probe_devices, start_server
+    return module
+
+
+def test_hook_start_server_gets_a_bound_socket_and_edge_routes_and_its_report_is_the_record():
+    from edge_core.host import read_host
+    from edge_core.plan import SessionSpec, make_plan
+    from edge_core.registry import Registry
+    from edge_core.runtime.serve import serve_plan
+
+    calls: list = []
+    registry = Registry(allow=["fake"])
+    registry.register(fake_server_backend(calls), "fake")
+    try:
+        host = read_host()
+        plan = make_plan(str(DEMO_MODEL), session=SessionSpec(max_model_len=256), devices=registry.probe(host),
+                         host=host, registry=registry)
+        assert plan.admitted, plan.refusals
+        port = free_port()
+        fetched: dict = {}
+
+        def client() -> None:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/edge/plan", timeout=5) as answer:
+                        fetched["plan"] = json.loads(answer.read())
+                        return
+                except OSError:
+                    time.sleep(0.05)
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        record = serve_plan(plan, registry, host="127.0.0.1", port=port, served_model_name="demo")
+        thread.join(30)
+    finally:
+        registry.unregister("fake")
+    assert calls[0] == ("start_server", "gpu_discrete:fake", "demo", port)
+    assert fetched["plan"]["selected_device"] == "gpu_discrete:fake"  # /edge/plan is the plan document
+    assert record["stopped_by"] == "SIGTERM" and record["server"]["requests_served"] == 1
+    assert record["memory"]["predicted_peak_bytes"] == plan.peak.predicted_bytes
+    assert port_is_free(port)  # the core closed its socket
+
+
+def test_a_backend_without_start_server_cannot_serve():
+    from edge_core.host import read_host
+    from edge_core.plan import SessionSpec, make_plan
+    from edge_core.registry import Registry
+    from edge_core.runtime.serve import serve_plan
+
+    calls: list = []
+    module = fake_server_backend(calls)
+    del module.start_server
+    registry = Registry(allow=["fake"])
+    registry.register(module, "fake")
+    try:
+        host = read_host()
+        plan = make_plan(str(DEMO_MODEL), session=SessionSpec(max_model_len=256), devices=registry.probe(host),
+                         host=host, registry=registry)
+        with pytest.raises(Exception, match="serve_unsupported"):
+            serve_plan(plan, registry, host="127.0.0.1", port=free_port(), served_model_name="demo")
+    finally:
+        registry.unregister("fake")
+    assert calls == []
