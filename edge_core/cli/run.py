@@ -135,6 +135,15 @@ def print_plan_beside(plan: Plan, elapsed_s: float, json_target: str | None, exp
         print_plan(plan, elapsed_s, explain=explain)
 
 
+def refused(args: argparse.Namespace, plan: Plan, plan_s: float, kind: str) -> int:
+    """A command's answer to a refused plan: the ``edge.<kind>`` document with ``--json``, else the plan; exit 2."""
+    if args.json:
+        write_document({"outcome": "refused", "plan": plan.to_dict()}, kind)
+    else:
+        print_plan(plan, plan_s, explain=args.explain)
+    return EXIT_REFUSED
+
+
 def budget_lines(memory: Mapping[str, Any]) -> list[str]:
     """The run record's memory section as the lines ``edge run`` and ``edge accept`` print."""
     counter = memory["measured_counter"] or "tree_pss"
@@ -234,11 +243,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_graph(args, plan, registry, plan_s)
     prompt = prompt_from(args)
     if not plan.admitted:
-        if args.json:
-            write_document({"outcome": "refused", "plan": plan.to_dict()}, "run")
-        else:
-            print_plan(plan, plan_s, explain=args.explain)
-        return EXIT_REFUSED
+        return refused(args, plan, plan_s, "run")
     try:
         request = StageRequest(prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                ignore_eos=args.ignore_eos, seed=args.seed)

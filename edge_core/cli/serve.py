@@ -17,7 +17,7 @@ from ..plan import Refusal
 from ._common import mask_option, mib, plugin_options, positive_int, write_document
 from .plan import planning_options, print_plan
 from .progress import TerminalObserver, say
-from .run import engine_log_from, engine_log_options, plan_here
+from .run import engine_log_from, engine_log_options, plan_here, refused
 
 #: Sequences decoded at once when serving, unless --max-num-seqs says otherwise: an editor, a chat UI
 #: and a script or two talk to one local server at a time. It sizes the KV pool (each sequence may
@@ -64,11 +64,7 @@ def add_serve_command(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     plan, registry, plan_s = plan_here(args)
     if not plan.admitted:
-        if args.json:
-            write_document({"outcome": "refused", "plan": plan.to_dict()}, "serve")
-        else:
-            print_plan(plan, plan_s, explain=args.explain)
-        return EXIT_REFUSED
+        return refused(args, plan, plan_s, "serve")
     device, manifest = plan.selected()
     owner = registry.owner(device)
     if owner is None or "start_server" not in owner.hooks:
