@@ -29,8 +29,8 @@ class ServerOptions:
     ``sock`` is already bound and listening on ``host:port``. ``drain_timeout_s``
     is how long in-flight requests may finish after a stop signal before they
     are aborted. ``on_ready`` is called once with the base URL when the
-    server answers ``/health``. ``log_path`` is where the runtime's own log
-    goes (None: the terminal).
+    server answers ``/health``. Where the runtime's own output goes is the
+    session's engine log (``EDGE_ENGINE_LOG``), as for every engine start.
     """
 
     host: str
@@ -41,7 +41,6 @@ class ServerOptions:
     drain_timeout_s: float = 5.0
     routes: Mapping[str, Route] = field(default_factory=dict)
     on_ready: Callable[[str], None] | None = None
-    log_path: str | None = None
 
     @property
     def url(self) -> str:

@@ -203,3 +203,11 @@ class TestRealEngine:
         assert 1.0 <= doc["memory"]["ratio"] <= 1.15, doc["memory"]["ratio"]
         assert doc["cancel"]["events_after_cancel"] == 0 and doc["cancel"]["in_flight_after"] == 0
         assert "prompts" in done.stderr  # the progress bar
+
+
+def test_the_cli_help_counts_are_the_runtimes_acceptance_figures():
+    # --help names them without importing the runtime; they must be the runtime's own.
+    from edge_core.cli import run
+    from edge_core.runtime import ACCEPT_TOKENS
+
+    assert (run.PROMPT_COUNT, run.ACCEPT_TOKENS) == (len(PROMPTS), ACCEPT_TOKENS)

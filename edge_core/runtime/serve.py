@@ -198,7 +198,7 @@ def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_m
 
         options = ServerOptions(
             host=host, port=port, served_model_name=served_model_name, sock=sock, api_key=api_key,
-            drain_timeout_s=drain_timeout_s, on_ready=on_ready, log_path=engine_log.path if engine_log else None,
+            drain_timeout_s=drain_timeout_s, on_ready=on_ready,
             routes={
                 "/edge/plan": lambda: ("application/json", json.dumps(document, default=str).encode()),
                 "/edge/memory": lambda: ("application/json", json.dumps(watch.snapshot()).encode()),
