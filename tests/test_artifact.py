@@ -364,6 +364,11 @@ W = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
     ({"__metadata__": {"n": 1}, "w": W}, 16, None, "__metadata__"),
     (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
      b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', 4, None, "twice"),
+    # A field given twice in one entry, and a duplicate hidden behind an escaped key: the fast
+    # parse's key counts differ, so the strict parse names it.
+    (b'{"w": {"dtype": "F32", "dtype": "F16", "shape": [1], "data_offsets": [0, 4]}}', 4, None, "twice"),
+    (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+     b'"\\u0077": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', 4, None, "twice"),
 ])
 def test_lying_header_is_refused(tmp_path, header, data_bytes, length, needle):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config()))

@@ -92,11 +92,12 @@ def listdir(root: str) -> set[str]:
 
 
 def reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key!r} appears twice")
-        out[key] = value
+    """``json.loads``'s ``object_pairs_hook``: a dict, or ValueError naming a key that appears twice."""
+    out = dict(pairs)  # one C call per object: a 90,000-tensor header has 90,000 of them
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        raise ValueError(f"key {twice!r} appears twice")
     return out
 
 

@@ -30,7 +30,16 @@ SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def head_size(config: dict[str, Any]) -> int | None:
-    """The attention head size vLLM will use for this text config, or None if it has no attention."""
+    """The head size vLLM's CPU attention kernel will see for this text config; None if that kernel is not used.
+
+    MLA models (``kv_lora_rank`` set) attend through vLLM's MLA backend, not the
+    CPU attention kernel whose head sizes are listed above; ``hidden_size /
+    heads`` means nothing there (DeepSeek-V3: 7168 / 128 = 56). Measured with
+    the reference set (tests/data/vllm_cpu_reference.json): DeepSeek-V2-Lite
+    and DeepSeek-V3 geometries run on vLLM CPU 0.32.
+    """
+    if config.get("kv_lora_rank") is not None:
+        return None
     explicit = config.get("head_dim")
     if isinstance(explicit, int) and explicit > 0:
         return explicit
@@ -38,6 +47,35 @@ def head_size(config: dict[str, Any]) -> int | None:
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         return hidden // heads
     return None
+
+
+#: How vLLM CPU 0.32 fails on a Mamba-1 mixer (Jamba, Mamba, FalconMamba), measured with the
+#: reference set (tests/data/vllm_cpu_reference.json, AI21-Jamba-Mini-1.5 cut to one period):
+#: the engine starts, then the first forward pass raises in ``MambaMixer.forward_impl``
+#: (model_executor/layers/mamba/mamba_mixer.py), which reads ``conv1d.weight.size(2)`` of a
+#: weight the CPU path holds as 2-D. Mamba-2 mixers (Granite-4.0-H, Nemotron-H, Falcon-H1) run.
+MAMBA1_CPU_ERROR = "IndexError: Dimension out of range (expected to be in range of [-2, 1], but got 2)"
+
+
+def mamba1_refusals(device: Device, config: dict[str, Any]) -> list[Refusal]:
+    """A model with Mamba-1 layers: vLLM CPU 0.32 loads it and fails in the first forward pass (may be empty)."""
+    from edge_core.plan import kv_layout
+
+    try:
+        layers = kv_layout(config).layers
+    except Exception:  # noqa: BLE001 - the core's KV arithmetic reports an unreadable config itself
+        return []
+    count = sum(1 for layer in layers if layer.state_formula == "mamba1")
+    if not count:
+        return []
+    return [Refusal(
+        code="kernel_unsupported", device_id=device.device_id,
+        message=(f"{count} Mamba-1 layers: vLLM CPU 0.32 starts the engine and then fails in the first forward "
+                 f"pass ({MAMBA1_CPU_ERROR!r} in MambaMixer, measured); its Mamba-2 path runs"),
+        remedy="run this model with edge-cuda (pip install edge-core edge-cuda in its own venv), or use a "
+               "Mamba-2 hybrid on the CPU",
+        details={"mamba1_layers": count, "measured": MAMBA1_CPU_ERROR},
+    )]
 
 
 def bound_node(host: HostFacts, environ: dict[str, str] | None = None) -> Any:
@@ -101,6 +139,7 @@ def gate(device: Device, manifest: Any, session: Any, host: HostFacts, reservati
     refusals += multimodal_refusals(src, device, manifest)
     refusals += scheme_refusals(src, device, manifest)
     config = getattr(manifest, "config", {}) or {}
+    refusals += mamba1_refusals(device, config)
     size = head_size(config)
     if size is not None and size not in SUPPORTED_HEAD_SIZES:
         refusals.append(

@@ -31,23 +31,81 @@ RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
 COMPILE_WORKSPACE_BYTES = 512 << 20
 
 
+#: Bytes per element of the dtypes vLLM CPU runs a checkpoint in (its ``--dtype``).
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+#: Of the decoder's own weights (everything but the embedding and LM-head tables),
+#: the fraction the worker still holds on top of them once vLLM CPU has re-laid
+#: the linear layers out for oneDNN (evidence E, see :func:`reservations`).
+LINEAR_REPACK_RETAINED = 0.375
+
+
 def _largest_shard_bytes(manifest: Any) -> int:
     files = getattr(manifest, "files", ()) or ()
     return max((size for name, size in files if name.endswith(".safetensors")), default=0)
 
 
+def _weight_bytes(manifest: Any) -> int:
+    weight_bytes = getattr(manifest, "weight_bytes", None)
+    if isinstance(weight_bytes, int):
+        return weight_bytes
+    files = getattr(manifest, "files", ()) or ()
+    return sum(size for name, size in files if name.endswith(".safetensors"))
+
+
+def embedding_table_bytes(manifest: Any) -> int:
+    """Bytes of the vocab x hidden tables vLLM CPU packs a second copy of: the input
+    embedding, and the LM head unless it is tied to it (then one table).
+
+    From config.json (``text_config`` for a multimodal wrapper): vocab_size x
+    hidden_size x the run dtype's bytes per table; capped at the weights, and 0
+    where the config does not say.
+    """
+    config = getattr(manifest, "config", None) or {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vocab, hidden = text.get("vocab_size", config.get("vocab_size")), text.get("hidden_size")
+    if not isinstance(vocab, int) or not isinstance(hidden, int):
+        return 0
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    dtype_bytes = _DTYPE_BYTES.get(str(getattr(manifest, "dtype", None) or text.get("torch_dtype")), 2)
+    tables = vocab * hidden * dtype_bytes * (1 if tied else 2)
+    weights = _weight_bytes(manifest)
+    return min(tables, weights) if weights else tables
+
+
 def reservations(manifest: Any, session: Any, host: HostFacts) -> list[Reservation]:
     shard = _largest_shard_bytes(manifest)
+    tables = embedding_table_bytes(manifest)
+    linear = max(0, _weight_bytes(manifest) - tables)
     return [
         Reservation(
             purpose="weights_file_mapping",
             bytes=shard,
             pool="host_ram",
+            lifetime="load",
+            evidence="E",
+            note="vLLM's loader maps a safetensors shard in the worker while it copies the weights out; "
+            "the mapping is gone once they are loaded (tree Pss_File rose by the shard, 147-3,282 MiB, "
+            "and fell back to ~130 MiB of libraries before the KV pool was allocated; measured)",
+        ),
+        Reservation(
+            purpose="embedding_packed_copy",
+            bytes=tables,
+            pool="host_ram",
             lifetime="session",
             evidence="E",
-            held_during_load=True,
-            note="vLLM's loader keeps a safetensors shard mapped in the worker: 637 MiB of weights "
-            "in 4 shards of ~159 MiB raised the worker's PSS by 792 MiB (measured)",
+            note="vLLM CPU packs the embedding and (untied) LM-head tables for oneDNN and keeps the "
+            "originals (remove_weight=False): one more vocab x hidden table each (vLLM's dispatch called alone "
+            "on Qwen3-0.6B's two 297 MiB tables: +594 MiB, measured)",
+        ),
+        Reservation(
+            purpose="linear_repack_retained",
+            bytes=int(LINEAR_REPACK_RETAINED * linear),
+            pool="host_ram",
+            lifetime="session",
+            evidence="E",
+            note=f"held by the worker after vLLM CPU re-lays the linear layers out for oneDNN, "
+            f"{LINEAR_REPACK_RETAINED:g} x the non-embedding weights (Qwen3 geometries, 147-3,282 MiB: "
+            "0.34-0.42 measured; a Llama geometry ~0.1, so it over-predicts there)",
         ),
         Reservation(
             purpose="runtime_baseline",

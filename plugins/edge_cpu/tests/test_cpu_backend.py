@@ -98,6 +98,8 @@ def _kv(bytes_):
     ({"hidden_size": 256, "num_attention_heads": 16}, 16),
     ({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128}, 128),
     ({"hidden_size": 2048, "num_attention_heads": 32}, 64),
+    # MLA (DeepSeek-V3): vLLM's MLA backend, not the CPU attention kernel; 7168 / 128 = 56 is no head size.
+    ({"hidden_size": 7168, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, None),
 ])
 def test_head_size_follows_config(config, expected):
     assert _gates.head_size(config) == expected
@@ -168,6 +170,51 @@ def test_runtime_terms_are_session_terms_held_during_load():
     assert all(t.pool == "host_ram" and t.evidence == "E" for t in terms.values())
 
 
+def _qwen3_like_manifest(*, vocab, hidden, tied, shards):
+    """Shard sizes as a safetensors index would list them; weight_bytes their sum."""
+    config = {"vocab_size": vocab, "hidden_size": hidden, "tie_word_embeddings": tied, "torch_dtype": "bfloat16"}
+    files = (("config.json", 700),) + tuple((f"model-{i:05d}.safetensors", size) for i, size in enumerate(shards, 1))
+    return types.SimpleNamespace(config=config, dtype="bfloat16", files=files, weight_bytes=sum(shards))
+
+
+def test_the_shard_mapping_is_held_while_loading_only():
+    from edge_core.budget import peak
+
+    manifest = _qwen3_like_manifest(vocab=151936, hidden=1024, tied=False, shards=(900 << 20, 600 << 20))
+    terms = edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest, session=None, host=host())
+    mapping = next(t for t in terms if t.purpose == "weights_file_mapping")
+    assert mapping.lifetime == "load" and mapping.bytes == 900 << 20
+    weights = Reservation(purpose="weights", bytes=manifest.weight_bytes, pool="host_ram",
+                          lifetime="session_weights", evidence="D")
+    p = peak([weights, *terms], "host_ram")
+    runtime = next(t.bytes for t in terms if t.purpose == "runtime_baseline")
+    assert p.load_path_bytes == runtime + manifest.weight_bytes + (900 << 20)
+    assert p.steady_state_bytes == sum(t.bytes for t in terms if t.lifetime != "load") + manifest.weight_bytes
+
+
+@pytest.mark.parametrize("tied,tables", [(False, 2), (True, 1)])
+def test_embedding_tables_and_the_retained_linear_share_follow_the_config(tied, tables):
+    from edge_cpu import _memory
+
+    vocab, hidden, weights = 151936, 2048, 3 * GIB
+    manifest = _qwen3_like_manifest(vocab=vocab, hidden=hidden, tied=tied, shards=(weights,))
+    terms = {t.purpose: t for t in _memory.reservations(manifest, None, host())}
+    table_bytes = tables * vocab * hidden * 2  # bf16: 2 bytes per element, one table per distinct matrix
+    assert terms["embedding_packed_copy"].bytes == table_bytes
+    assert terms["linear_repack_retained"].bytes == int(_memory.LINEAR_REPACK_RETAINED * (weights - table_bytes))
+    assert all(terms[k].lifetime == "session" and not terms[k].held_during_load
+               for k in ("embedding_packed_copy", "linear_repack_retained"))
+
+
+def test_a_config_without_vocab_or_hidden_packs_no_table():
+    from edge_cpu import _memory
+
+    manifest = types.SimpleNamespace(config={}, files=(("model.safetensors", GIB),))
+    terms = {t.purpose: t.bytes for t in _memory.reservations(manifest, None, host())}
+    assert terms["embedding_packed_copy"] == 0
+    assert terms["linear_repack_retained"] == int(_memory.LINEAR_REPACK_RETAINED * GIB)
+
+
 @pytest.mark.vllm
 def test_verify_runs_a_matmul_through_the_installed_runtime():
     import importlib.util
@@ -221,3 +268,17 @@ def test_compiled_mode_reserves_its_workspace_and_eager_does_not():
     assert "compile_workspace" not in {t.purpose for t in eager}
     extra = [t for t in compiled if t.purpose == "compile_workspace"]
     assert [t.bytes for t in extra] == [_memory.COMPILE_WORKSPACE_BYTES] and extra[0].pool == "host_ram"
+
+
+def test_mamba1_layers_are_refused_and_mamba2_are_not():
+    jamba = {"model_type": "jamba", "num_hidden_layers": 8, "hidden_size": 4096, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16,
+             "mamba_d_conv": 4, "mamba_expand": 2}
+    device = types.SimpleNamespace(device_id="cpu")
+    [refusal] = _gates.mamba1_refusals(device, jamba)
+    assert refusal.code == "kernel_unsupported" and refusal.details["mamba1_layers"] == 7  # all but the attention one
+    granite = {"model_type": "granitemoehybrid", "num_hidden_layers": 2, "hidden_size": 1536,
+               "num_attention_heads": 12, "num_key_value_heads": 4, "layer_types": ["mamba", "attention"],
+               "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+               "mamba_d_conv": 4, "mamba_expand": 2}
+    assert _gates.mamba1_refusals(device, granite) == []
