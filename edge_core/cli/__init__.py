@@ -3,8 +3,9 @@
 Exit codes: 0 success/admitted, 2 refused, 3 parity divergence, 1 internal
 error, 64 usage error, 130 interrupted. Every command has ``--json`` with a
 versioned schema (docs/json.md). One module per group of commands:
-:mod:`.devices` (``plugins``, ``devices``), :mod:`.plan` (``plan``),
-:mod:`.run` (``run``, ``accept``, ``parity``), :mod:`.serve` (``serve``).
+:mod:`.devices` (``plugins``, ``devices``), :mod:`.plan` (``plan``), :mod:`.models` (``models``),
+:mod:`.run` (``run``, ``accept``, ``parity``), :mod:`.serve` (``serve``),
+:mod:`.sessions` (``ps``, ``stop``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from collections.abc import Sequence
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeError, UsageError
 from ._common import SCHEMA_VERSION, Parser
 from .devices import add_device_commands
+from .models import add_models_command
 from .plan import add_plan_command
 from .run import add_run_commands
 from .serve import add_serve_command
+from .sessions import add_session_commands
 
 __all__ = ["SCHEMA_VERSION", "build_parser", "main"]
 
@@ -36,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     add_device_commands(sub)
     add_plan_command(sub)
+    add_models_command(sub)
     add_run_commands(sub)
     add_serve_command(sub)
+    add_session_commands(sub)
     return parser
 
 

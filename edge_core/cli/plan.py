@@ -1,8 +1,8 @@
 """``edge plan``: read the model, walk every device through the gates, print the plan.
 
 Parse -> :func:`edge_core.plan.make_plan` -> render. Also the planning
-options every command that takes a model shares (``run``, ``accept``,
-``parity``), and :func:`plan_from_args`, which they all plan through. Nothing
+options every command that takes a model shares (``run``, ``serve``,
+``accept``, ``parity``), and :func:`plan_from_args`, which they all plan through. Nothing
 here imports a runtime.
 
 A refused device that reached the budget arithmetic shows its budget: one
@@ -13,23 +13,33 @@ table, peak against capacity, and KV line (on any plan).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..artifact import DEMO_MODEL
-from ..errors import EXIT_OK, EXIT_REFUSED
-from ..plan import Plan, SessionSpec
+from ..errors import EXIT_OK, EXIT_REFUSED, ArtifactError, UsageError
+from ..plan import Plan, Refusal, SessionSpec
 from ..registry import Registry, discover
 from ._common import common_options, mask_from, mask_option, mib, positive_int, registry_from, write_document
 
 if TYPE_CHECKING:
+    from ..artifact.hub import ModelSource
     from ..budget import Peak, Reservation
+    from ..host_ledger import LedgerView
     from ..plan import DeviceVerdict, KVEstimate
 
 def planning_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", metavar="DIR",
-                        help=f"checkpoint directory or ONNX graph (default: the bundled demo, {DEMO_MODEL.name})")
+    parser.add_argument("--model", metavar="DIR|ORG/NAME",
+                        help="checkpoint directory, ONNX graph, or Hugging Face Hub id (an existing path wins; "
+                             "then the Hugging Face cache; then the Hub at HF_ENDPOINT, planned from the "
+                             "safetensors headers without downloading a weight) "
+                             f"(default: the bundled demo, {DEMO_MODEL.name})")
+    parser.add_argument("--revision", metavar="REV",
+                        help="branch, tag or commit of a Hub id (default: main)")
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="context length to budget for (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=1, metavar="N",
@@ -45,6 +55,9 @@ def planning_options(parser: argparse.ArgumentParser) -> None:
                              "...) or a device's backend (vllm:cpu)")
     parser.add_argument("--digest-weights", action="store_true",
                         help="also hash every weight byte into the manifest (slow for big checkpoints)")
+    parser.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                        help="run, serve, accept, parity: when another edge session on this host holds the "
+                             "memory (device_committed), keep retrying the admission this long (default 0)")
     parser.add_argument("--explain", action="store_true",
                         help="for every refused device that reached the budget arithmetic, print its "
                              "reservations, predicted peak and headroom against capacity, and its KV cache")
@@ -70,8 +83,20 @@ def session_from(args: argparse.Namespace) -> SessionSpec:
                        enforce_eager=getattr(args, "enforce_eager", True))
 
 
-def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None) -> tuple[Plan, Registry]:
-    """Plan for ``args.model`` against this interpreter's devices, or a saved device list."""
+def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
+                   fetch_weights: bool = False) -> tuple[Plan, Registry]:
+    """Plan for ``args.model`` against this interpreter's devices, or a saved device list.
+
+    Every plan counts what the other live edge sessions on this host hold
+    (:mod:`edge_core.host_ledger`). With ``fetch_weights`` (commands that start
+    an engine) the plan is also an admission: made under the ledger's lock and,
+    if admitted, registered there before the lock is released, so two sessions
+    started together cannot both take the last free bytes; ``--wait`` retries
+    while the only obstacle is another session's memory. Before that, an
+    admitted plan of a Hub model whose weights are not in the Hugging Face cache
+    downloads them (after checking the disk), so the engine starts on local
+    files and never touches the network itself. A refused plan downloads nothing.
+    """
     # The planner is imported here, not with the module: `edge devices` builds this parser too.
     from ..plan import load_devices, make_plan, only_backend
 
@@ -85,9 +110,76 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None)
         host, devices = discover(registry, mask)
         source = "probed"
     devices = only_backend(devices, getattr(args, "backend", None), registry)
-    plan = make_plan(model, session=session_from(args), devices=devices, host=host, registry=registry,
-                     devices_source=source, digest_weights=args.digest_weights)
-    return plan, registry
+    revision = getattr(args, "revision", None)
+
+    def plan_once(path: str, ledger: LedgerView | None, rev: str | None) -> Plan:
+        return make_plan(path, session=session_from(args), devices=devices, host=host, registry=registry,
+                         devices_source=source, digest_weights=args.digest_weights, revision=rev, ledger=ledger)
+
+    plan = plan_once(model, ledger_view(), revision)
+    if not fetch_weights:
+        return plan, registry
+    downloaded = None
+    if plan.admitted and plan.source is not None and not plan.source.weights_present:
+        fetched = fetch_model(plan)
+        if isinstance(fetched, Plan):
+            return fetched, registry
+        downloaded = fetched
+    return admit(plan_once, downloaded.path if downloaded else model, None if downloaded else revision, args,
+                 downloaded), registry
+
+
+def admit(plan_once: Callable[[str, LedgerView | None, str | None], Plan], model: str, revision: str | None, args: argparse.Namespace,
+          downloaded: ModelSource | None) -> Plan:
+    """Plan under the host ledger's lock and register an admitted plan; wait up to ``--wait`` s for other sessions."""
+    from ..host_ledger import admission
+    from ..plan.ledger import ledger_bytes
+
+    deadline = time.monotonic() + float(getattr(args, "wait", 0) or 0)
+    while True:
+        with admission() as taken:
+            plan = plan_once(model, taken.view, revision)
+            if downloaded is not None:
+                plan = replace(plan, source=downloaded)
+            if plan.admitted:
+                assert plan.peak is not None and plan.selected_device is not None
+                taken.register(command=f"edge {args.command}", model=args.model or plan.model_path,
+                               artifact_id=plan.manifest.artifact_id if plan.manifest else None,
+                               device_ids=(plan.selected_device.device_id,), reserved_bytes=ledger_bytes(plan),
+                               predicted_peak_bytes=plan.peak.predicted_bytes,
+                               headroom_bytes=plan.peak.headroom_bytes)
+                return plan
+        waiting = {r.code for r in plan.refusals} == {"device_committed"}
+        if not waiting or time.monotonic() >= deadline:
+            return plan
+        time.sleep(1.0)
+
+
+def ledger_view() -> LedgerView | None:
+    """The other live sessions on this host; None (with a warning) when the ledger cannot be trusted."""
+    from ..host_ledger import read_ledger
+
+    try:
+        view = read_ledger()
+    except UsageError as exc:
+        print(f"edge: warning: {exc}; planning without the other sessions' reservations", file=sys.stderr)
+        return None
+    for warning in view.warnings:
+        print(f"edge: warning: session ledger: {warning}", file=sys.stderr)
+    return view
+
+
+def fetch_model(plan: Plan) -> ModelSource | Plan:
+    """Download an admitted Hub plan's weights into the Hugging Face cache; a refused plan if that cannot be done."""
+    from ..artifact.hub import download
+
+    assert plan.source is not None
+    print(f"edge: {plan.source.describe()}; downloading the weights into the Hugging Face cache", file=sys.stderr)
+    try:
+        return download(plan.source)
+    except ArtifactError as exc:
+        return replace(plan, admitted=False, refusals=(Refusal(code=exc.code, message=str(exc), remedy=exc.remedy),),
+                       selected_device=None, reservations=(), peak=None, capacity_bytes=None, engine_kwargs={})
 
 
 def gib(value: int) -> str:
@@ -157,6 +249,8 @@ def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
     where = f" on {plan.selected_device.device_id} ({plan.backend})" if plan.selected_device is not None else ""
     print(f"{verdict}{where}: {plan.model_path}")
     print(f"  model     {what}" + (f"  [artifact {manifest.artifact_id}]" if manifest is not None else ""))
+    if plan.source is not None and plan.source.kind != "local":
+        print(f"  source    {plan.source.describe()}")
     if manifest is not None and manifest.config_defaults:
         print(f"  defaults  {defaults_line(manifest.config_defaults, manifest.config_defaults_source)}")
     if plan.devices_source != "probed":

@@ -125,7 +125,7 @@ def plan_here(args: argparse.Namespace, mask: frozenset[str] | None = None) -> t
         raise UsageError("--devices plans against another machine's device list; a run needs this machine's "
                          "devices (drop --devices, or use `edge plan --devices FILE`)")
     started = time.perf_counter()
-    plan, registry = plan_from_args(args, mask)
+    plan, registry = plan_from_args(args, mask, fetch_weights=True)
     return plan, registry, time.perf_counter() - started
 
 

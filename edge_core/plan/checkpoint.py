@@ -18,6 +18,7 @@ from ..errors import ArtifactError, UsageError
 from ..registry import install_hint
 from .capacity import capacity_of
 from .kv import estimate_kv
+from .ledger import committed_refusal, pool_key, with_holders
 from .remedies import capacity_refusal, format_refusal, shorter_context_fallbacks
 from .terms import core_reservations, headroom_reservations
 from .types import STAGE_ONLY_KINDS, DeviceVerdict, Plan, Refusal, SessionSpec
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from ..budget import Peak, Reservation
     from ..devices import Device
     from ..host import HostFacts
+    from ..host_ledger import LedgerView
     from ..registry import Registry
     from .kv import KVEstimate
 
@@ -121,8 +123,14 @@ def engine_kwargs_for(manifest: Manifest, session: SessionSpec, device: Device, 
 
 
 def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
-                    registry: Registry | None = None, devices_source: str = "probed") -> Plan:
-    """Walk the gates for every candidate device and return the plan, admitted or refused."""
+                    registry: Registry | None = None, devices_source: str = "probed",
+                    ledger: LedgerView | None = None) -> Plan:
+    """Walk the gates for every candidate device and return the plan, admitted or refused.
+
+    ``ledger`` is what other live edge sessions on this host were admitted to
+    hold (:mod:`edge_core.host_ledger`); the capacity gate counts what of it the
+    pool does not show as used yet.
+    """
     model_path = manifest.path
 
     def refused(refusals: list[Refusal], **extra: Any) -> Plan:
@@ -164,7 +172,7 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
             all_refusals.append(refusal)
             continue
         try:
-            outcome = plan_on_device(device, manifest, session, host, registry, devices)
+            outcome = plan_on_device(device, manifest, session, host, registry, devices, ledger)
         except ArtifactError as exc:  # the config lacks what the KV arithmetic needs: no device can help
             return refused([Refusal(code=exc.code, message=str(exc), remedy=exc.remedy)])
         notes.extend(outcome.notes)
@@ -208,7 +216,8 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
 
 
 def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, host: HostFacts | None,
-                   registry: Registry | None, devices: list[Device] | None = None) -> DeviceOutcome:
+                   registry: Registry | None, devices: list[Device] | None = None,
+                   ledger: LedgerView | None = None) -> DeviceOutcome:
     """The format gate, the backend's gates and the capacity gate for one runnable device.
 
     Past the format gate the whole budget is computed before either later gate
@@ -245,11 +254,16 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
     capacity, how = capacity_of(device, host, devices or ())
     kept = DeviceOutcome(reservations=tuple(terms), peak=total, capacity_bytes=capacity, kv=kv, notes=notes)
     if gated:
-        return replace(kept, refusals=tuple(gated), gate="backend")
+        return replace(kept, refusals=with_holders(gated, pool_key(device), ledger), gate="backend")
     if capacity is None:
         return replace(kept, notes=notes + (f"{device.device_id}: pool capacity unknown (a device list without "
                                             "host facts); capacity not checked",))
     if total.admission_bytes > capacity:
         refusal = capacity_refusal(device, manifest, session, kv, terms, total, capacity, how)
+        return replace(kept, refusals=with_holders([refusal], pool_key(device), ledger), gate="capacity")
+    pool = pool_key(device)
+    committed = ledger.committed_bytes(pool) if ledger is not None else 0
+    if ledger is not None and committed and total.admission_bytes > capacity - committed:
+        refusal = committed_refusal(device, total.admission_bytes, capacity, committed, ledger.holders(pool))
         return replace(kept, refusals=(refusal,), gate="capacity")
     return kept

@@ -1,22 +1,92 @@
-"""What is already admitted on this host's RAM pool, so the same bytes are never budgeted twice.
+"""What is already admitted, so the same bytes are never budgeted twice.
 
-The CPU session and every iGPU/NPU stage draw on the host pool the CPU row
-carries (SPEC section 3). Each admission adds its bytes to :class:`HostLedger`
-and each release takes them out; planning a graph stage consults the total.
-This ledger lives in one process.
+Across processes: :mod:`edge_core.host_ledger` holds one record per live edge
+session on this host; the capacity gate subtracts what those records hold and
+the pool does not show yet, and :func:`committed_refusal` names the holders
+when that is why a plan does not fit.
+
+Within one process: the CPU session and every iGPU/NPU stage draw on the
+host pool the CPU row carries (SPEC section 3). Each admission adds its bytes
+to :class:`HostLedger` and each release takes them out; planning a graph
+stage consults the total.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ..host_ledger import HOST_POOL
 from .terms import external_reserve_bytes
+from .types import Refusal
 
 if TYPE_CHECKING:
+    from ..devices import Device
+    from ..host_ledger import LedgerView, SessionRecord
     from .types import Plan
+
+
+def pool_key(device: Device) -> str:
+    """The ledger's key for ``device``'s pool: the shared host RAM, or the device's own memory."""
+    return HOST_POOL if device.memory_pool == HOST_POOL else device.device_id
+
+
+def ledger_bytes(plan: Plan) -> dict[str, int]:
+    """What an admitted plan holds per ledger pool: its admission bytes, split by the pool each term draws on."""
+    device = plan.selected_device
+    if device is None or plan.peak is None:
+        return {}
+    own = pool_key(device)
+    held = {own: plan.peak.admission_bytes}
+    if own != HOST_POOL:
+        host_terms = sum(r.bytes for r in plan.reservations if r.pool == HOST_POOL and not r.reclaimable)
+        if host_terms:
+            held[HOST_POOL] = host_terms
+    return held
+
+
+def with_holders(refusals: list[Refusal], pool: str, ledger: LedgerView | None) -> tuple[Refusal, ...]:
+    """Budget refusals that also name the live edge sessions holding memory on ``pool`` (the others unchanged).
+
+    A loaded session's memory is already gone from the pool's capacity, so the
+    plan is refused for want of memory rather than ``device_committed``; the
+    user still needs to know who holds it.
+    """
+    holders = [r for r in (ledger.records if ledger is not None else ()) if r.reserved_bytes.get(pool)]
+    if not holders:
+        return tuple(refusals)
+    named = "; ".join(f"{r.describe()} holds {r.reserved_bytes[pool] / 2**30:.1f} GiB" for r in holders)
+    out = []
+    for refusal in refusals:
+        if refusal.code != "budget_exceeds_device":
+            out.append(refusal)
+            continue
+        out.append(replace(refusal, message=f"{refusal.message} (other edge sessions on this host: {named})",
+                           remedy=f"{refusal.remedy}; or stop the other session (`edge stop {holders[0].pid}`)",
+                           details={**refusal.details, "holders": [
+                               {"pid": r.pid, "session_id": r.session_id, "command": r.command, "model": r.model,
+                                "reserved_bytes": r.reserved_bytes[pool]} for r in holders]}))
+    return tuple(out)
+
+
+def committed_refusal(device: Device, needed: int, capacity: int, committed: int,
+                      holders: tuple[SessionRecord, ...]) -> Refusal:
+    """``device_committed``: it would fit, but not beside what live sessions on this host were admitted to hold."""
+    gib = 2**30
+    named = "; ".join(f"{r.unseen_bytes(pool_key(device)) / gib:.1f} GiB to {r.describe()}" for r in holders)
+    first = holders[0].pid if holders else None
+    return Refusal(
+        code="device_committed", device_id=device.device_id,
+        message=(f"{device.device_id}: this session needs {needed / gib:.1f} GiB of {capacity / gib:.1f} GiB, but "
+                 f"{committed / gib:.1f} GiB is committed to other edge sessions and not yet in use: {named}"),
+        remedy=(f"stop it (`edge stop {first}`) or wait for it to finish (`--wait SECONDS` queues this admission)"
+                if first is not None else "wait for the other sessions to finish (`edge ps` lists them)"),
+        details={"needed_bytes": needed, "capacity_bytes": capacity, "committed_bytes": committed,
+                 "holders": [{"pid": r.pid, "session_id": r.session_id, "command": r.command, "model": r.model,
+                              "unseen_bytes": r.unseen_bytes(pool_key(device))} for r in holders]},
+    )
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..artifact import read_manifest
+from ..artifact.hub import resolve_model
 from ..devices import apply_mask, load_device_list
 from ..errors import ArtifactError, UsageError
 from ..host import HostFacts
@@ -22,11 +24,32 @@ from .types import Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
     from ..devices import Device
+    from ..host_ledger import LedgerView
 
 
 def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
-              registry: Registry | None = None, devices_source: str = "probed", digest_weights: bool = False) -> Plan:
-    """Read ``model_path`` without loading a weight and plan it: admitted, or refused with reasons."""
+              registry: Registry | None = None, devices_source: str = "probed", digest_weights: bool = False,
+              revision: str | None = None, ledger: LedgerView | None = None) -> Plan:
+    """Read ``model_path`` without loading a weight and plan it: admitted, or refused with reasons.
+
+    ``model_path`` is a directory, an ONNX file, or a Hub id (``org/name``, at
+    ``revision``), resolved by :func:`~edge_core.artifact.hub.resolve_model`;
+    the plan's ``source`` says which it was. ``ledger`` is what the other live
+    edge sessions on this host hold (:func:`edge_core.host_ledger.read_ledger`).
+    """
+    try:
+        source = resolve_model(str(model_path), revision)  # imports huggingface_hub for Hub ids only
+    except ArtifactError as exc:
+        return Plan(admitted=False, model_path=str(model_path), session=session, devices_source=devices_source,
+                    refusals=(Refusal(code=exc.code, message=str(exc), remedy=exc.remedy),))
+    plan = _plan_path(source.path, session=session, devices=devices, host=host, registry=registry,
+                      devices_source=devices_source, digest_weights=digest_weights, ledger=ledger)
+    return replace(plan, source=source)
+
+
+def _plan_path(model_path: str, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
+               registry: Registry | None, devices_source: str, digest_weights: bool,
+               ledger: LedgerView | None) -> Plan:
     try:
         manifest = read_manifest(model_path, digest_weights=digest_weights)
     except ArtifactError as exc:
@@ -39,7 +62,7 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], h
         return plan_graph_stage(manifest, devices=devices, host=host, registry=registry,
                                 devices_source=devices_source, session=session)
     return plan_checkpoint(manifest, session=session, devices=devices, host=host, registry=registry,
-                           devices_source=devices_source)
+                           devices_source=devices_source, ledger=ledger)
 
 
 def load_devices(path: str, registry: Registry, mask: frozenset[str] = frozenset()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..artifact import Manifest
+    from ..artifact.hub import ModelSource
     from ..budget import Peak, Reservation
     from ..devices import Device
     from .kv import KVEstimate
@@ -34,6 +35,15 @@ REFUSAL_CODES = (
     "serve_unsupported",
     "architecture_unsupported",
     "runtime_dependency_missing",
+    # A model named by Hub id (edge_core/artifact/hub.py):
+    "model_not_found",
+    "model_gated",
+    "revision_not_found",
+    "model_not_cached",
+    "hub_unreachable",
+    "disk_space_insufficient",
+    # Another live edge session on this host holds the bytes (edge_core/host_ledger.py):
+    "device_committed",
 )
 
 #: Device kinds that take single exported stages, never a whole decode session.
@@ -176,6 +186,8 @@ class Plan:
     verdicts: tuple[DeviceVerdict, ...] = ()
     devices_source: str = "probed"
     notes: tuple[str, ...] = ()
+    #: Where the model came from (a local path, the Hugging Face cache, the Hub's headers).
+    source: ModelSource | None = None
 
     @property
     def backend(self) -> str | None:
@@ -195,6 +207,7 @@ class Plan:
         return {
             "admitted": self.admitted,
             "model_path": self.model_path,
+            "source": self.source.to_dict() if self.source is not None else None,
             "devices_source": self.devices_source,
             "selected_device": self.selected_device.device_id if self.selected_device is not None else None,
             "backend": self.backend,

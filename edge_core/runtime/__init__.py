@@ -11,7 +11,9 @@ Modules: :mod:`.session`, :mod:`.accept`, :mod:`.parity`, :mod:`.graph_run`
 (what a command runs); :mod:`.vllm_stage`, :mod:`.ort_stage` (the two stage
 runtimes backends share); :mod:`.env` (the engine's environment),
 :mod:`.numa` (NUMA node preparation), :mod:`.processes` (process groups and
-reaping), :mod:`.measure` (the process-tree memory sampler).
+reaping), :mod:`.reaper` (each session's marker, and the reaper that ends its
+engine processes when edge is killed), :mod:`.measure` (the process-tree
+memory sampler).
 """
 
 from .accept import ACCEPT_TOKENS, PROMPTS, Criterion, run_acceptance
@@ -19,6 +21,7 @@ from .env import apply_runtime_env, versions
 from .graph_run import NumericGate, compare_outputs, run_graph_stage
 from .measure import DEFAULT_PERIOD_S, MemoryReport, ProcessTreeSampler
 from .parity import first_divergence, run_parity
+from .reaper import SessionReaper, marked_processes
 from .session import (
     COVERED_COUNTERS,
     Consumer,
@@ -44,11 +47,13 @@ __all__ = [
     "ProcessTreeSampler",
     "RequestResult",
     "RunOutcome",
+    "SessionReaper",
     "SilentObserver",
     "StageSession",
     "apply_runtime_env",
     "compare_outputs",
     "first_divergence",
+    "marked_processes",
     "memory_record",
     "run_acceptance",
     "run_graph_stage",

@@ -16,6 +16,7 @@ from ..errors import StageError, UsageError
 from ..stream import StageRequest
 from .accept import PROMPTS
 from .logs import EngineLog
+from .reaper import SessionReaper
 from .session import Observer, SilentObserver, StageSession, prepare_stage
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Obs
                          f"{device.device_id} ({plan.backend}) has no reference run (reference_token_ids)")
     (engine_log or EngineLog(None)).export()  # the reference run logs where edge's stage will
     node_prep = prepare_stage(registry, plan, said)
-    with said.step(f"the runtime alone: {len(PROMPTS)} prompts x {max_tokens} greedy tokens"):
+    with said.step(f"the runtime alone: {len(PROMPTS)} prompts x {max_tokens} greedy tokens"), SessionReaper():
         answer = registry.call_owner(device, "reference_token_ids", plan=plan, prompts=list(PROMPTS),
                                      max_tokens=max_tokens)
     plain_ids, plain_info = answer

@@ -3,7 +3,10 @@
 The engine processes vLLM spawns are edge's to end: started in a process
 group of their own (so a terminal's Ctrl-C reaches edge first, which cancels
 in order), found by walking this process's children, and reaped — waited
-for, then terminated, then killed — when the stage stops.
+for, then terminated, then killed — when the stage stops. Their own group
+also means nothing the kernel does to edge reaches them: when edge is killed
+outright (SIGKILL, the OOM killer) the session's reaper (:mod:`.reaper`)
+ends them instead, found by the session marker they inherit.
 """
 
 from __future__ import annotations

@@ -5,9 +5,12 @@ implements ``start_server``:
 
 1. the address is bound before anything loads (:func:`bind_listener`), so a
    port in use is an error naming the port and its holder in milliseconds;
-2. the backend prepares the device (``prepare_stage``), then the memory
-   baseline is taken and the 0.25 s process-tree sampler starts, exactly as
-   for ``edge run`` (:class:`~edge_core.runtime.session.StageSession`'s order);
+2. the backend prepares the device (``prepare_stage``), the session's reaper
+   starts (:class:`~edge_core.runtime.reaper.SessionReaper`: if edge is killed
+   without a chance to stop, ``kill -9`` or the OOM killer, the engine
+   processes die with it), then the memory baseline is taken and the 0.25 s
+   process-tree sampler starts, exactly as for ``edge run``
+   (:class:`~edge_core.runtime.session.StageSession`'s order);
 3. the backend's server runs in this thread until SIGTERM or SIGINT, with
    edge's endpoints beside the runtime's: ``/edge/plan`` (the plan document),
    ``/edge/memory`` (predicted vs measured, JSON) and ``/edge/metrics``
@@ -30,11 +33,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StageError, UsageError
+from ..host_ledger import set_state
 from ..serving import ServerOptions
 from .env import versions
 from .logs import EngineLog
 from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler
 from .processes import children_alive
+from .reaper import SessionReaper
 from .session import Observer, SilentObserver, memory_record, plan_summary, prepare_stage
 
 if TYPE_CHECKING:
@@ -173,8 +178,13 @@ def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_m
     (engine_log or EngineLog(None)).export()
     if engine_log is not None and engine_log.path is not None:
         said.message(f"engine log: {engine_log.path}")
+    reaper = SessionReaper()
     try:
         node_prep = prepare_stage(registry, plan, said)
+        reaper.__enter__()
+        if not reaper.watching:
+            said.message("WARNING: the session's reaper did not start: if edge is killed without a chance to stop "
+                         "(kill -9, the OOM killer), its engine processes will outlive it")
         counter = registry.call_owner(device, "memory_counter")
         sampler = ProcessTreeSampler(os.getpid(), DEFAULT_PERIOD_S,
                                      device_counter=counter.read if counter is not None else None,
@@ -191,6 +201,7 @@ def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_m
 
         def on_ready(url: str) -> None:
             ready["url"], ready["s"] = url, time.monotonic() - started
+            set_state("serving")  # the host ledger's record (edge ps)
             loading.__exit__(None, None, None)
             said.message(f"serving {served_model_name} at {url}/v1 (plan: {device.device_id}, "
                          f"{plan.session.max_num_seqs} sequences x {plan.session.max_model_len} tokens, predicted "
@@ -217,6 +228,7 @@ def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_m
             watch.stop()
             sampler.stop()
     finally:
+        reaper.__exit__()
         sock.close()
     memory: MemoryReport = sampler.report()
     left = children_alive()

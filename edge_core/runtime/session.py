@@ -5,14 +5,18 @@ goes through (``edge run``, ``edge accept``, the edge half of ``edge parity``):
 
 1. the owning backend's ``prepare_stage`` (vLLM CPU grows its NUMA node),
    before anything is measured;
-2. the memory baseline over the whole process tree, then the 0.25 s sampler
+2. the session's reaper (:class:`~edge_core.runtime.reaper.SessionReaper`):
+   every process the engine starts carries the session's marker, and if edge
+   dies without stopping (``kill -9``, the OOM killer) the reaper ends them
+   within seconds;
+3. the memory baseline over the whole process tree, then the 0.25 s sampler
    (:class:`~edge_core.runtime.measure.ProcessTreeSampler`), with the backend's
    device counter when it has one (``memory_counter``);
-3. ``start_stage`` with SIGTERM and SIGHUP routed through the Ctrl-C path, so
-   every way of stopping edge cancels, stops and reports;
-4. requests through :class:`Consumer` (the core's bounded, fenced
+4. ``start_stage`` with SIGTERM and SIGHUP routed through the Ctrl-C path, so
+   every way of stopping edge that edge can see cancels, stops and reports;
+5. requests through :class:`Consumer` (the core's bounded, fenced
    :class:`~edge_core.stream.StreamRun`), timed;
-5. ``stop_stage`` with Ctrl-C held off, then the budget against every counter
+6. ``stop_stage`` with Ctrl-C held off, the reaper ended, then the budget against every counter
    it covers (:func:`memory_record`).
 
 :func:`run_session` is ``edge run``'s use of it: one request, streamed,
@@ -33,10 +37,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import StageError
+from ..host_ledger import set_state
 from ..stream import StreamRun
 from .env import versions
 from .logs import EngineLog
 from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler, compare
+from .reaper import SessionReaper
 
 if TYPE_CHECKING:
     from ..devices import Device
@@ -179,8 +185,10 @@ class TerminationAsInterrupt:
     """SIGTERM and SIGHUP take the Ctrl-C path (cancel, stop, report) while a stage runs.
 
     The stage's processes live in their own process group (:mod:`.processes`),
-    so a signal that ended edge without cleanup would leave them running;
-    routed through KeyboardInterrupt they are stopped like after Ctrl-C.
+    so a signal that ended edge without cleanup would leave them to the
+    session's reaper; routed through KeyboardInterrupt they are stopped like
+    after Ctrl-C, in order and reported. SIGKILL cannot be caught: that is
+    what the reaper (:mod:`.reaper`) is for.
     """
 
     SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -211,6 +219,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     """The part of an admitted plan a run record repeats beside its measurements."""
     return {
         "admitted": plan.admitted,
+        "source": plan.source.to_dict() if plan.source is not None else None,
         "selected_device": plan.selected_device.device_id if plan.selected_device is not None else None,
         "backend": plan.backend,
         "session": plan.session.to_dict(),
@@ -268,12 +277,14 @@ def memory_record(plan: Plan, report: MemoryReport) -> dict[str, Any]:
 class StageSession:
     """One admitted plan's stage, started and measured; use as a context manager.
 
-    Entering prepares the device (``prepare_stage``), takes the memory
-    baseline before any runtime is imported, starts the sampler and the stage;
-    leaving stops the stage (Ctrl-C held off: an interrupted stop would leave
-    engine processes behind) and the sampler. SIGTERM/SIGHUP inside the block
-    arrive as KeyboardInterrupt. ``memory()`` is the budget against what was
-    measured, after leaving.
+    Entering prepares the device (``prepare_stage``), starts the session's
+    reaper, takes the memory baseline before any runtime is imported, starts
+    the sampler and the stage; leaving stops the stage (Ctrl-C held off: an
+    interrupted stop would leave engine processes behind), the reaper and the
+    sampler. SIGTERM/SIGHUP inside the block arrive as KeyboardInterrupt; a
+    SIGKILL of this process is the reaper's to clean up. ``memory()`` is the
+    budget against what was measured, after leaving; ``engine_processes()``
+    the session's live engine processes, while it runs.
     """
 
     def __init__(self, plan: Plan, registry: Registry, observer: Observer | None = None, *,
@@ -295,6 +306,8 @@ class StageSession:
         self.sampler: ProcessTreeSampler | None = None
         self._report: MemoryReport | None = None
         self._signals = TerminationAsInterrupt()
+        #: Marks the session's processes and ends them if this process dies without stopping the stage.
+        self.reaper = SessionReaper()
         #: Where the engine's own output goes (None: wherever it goes by default, the terminal).
         self.engine_log = engine_log
         self._keep_log = keep_log or (engine_log is not None and engine_log.path is None)
@@ -307,13 +320,21 @@ class StageSession:
                 self.observer.message(f"engine log: {self.engine_log.path}")
         if not self._prepared:
             self.node_prep = prepare_stage(self.registry, self.plan, self.observer)
-        counter = self.registry.call_owner(self.device, "memory_counter")
-        self.sampler = ProcessTreeSampler(
-            os.getpid(), DEFAULT_PERIOD_S,
-            device_counter=counter.read if counter is not None else None,
-            device_source=counter.source if counter is not None else "none")
-        self.sampler.baseline()  # before the runtime is imported: everything above it is the session's
-        self.sampler.start()
+        self.reaper.__enter__()  # before the baseline: its own few MiB are not the engine's
+        try:
+            if not self.reaper.watching:
+                self.observer.message("WARNING: the session's reaper did not start: if edge is killed without a "
+                                      "chance to stop (kill -9, the OOM killer), its engine processes will outlive it")
+            counter = self.registry.call_owner(self.device, "memory_counter")
+            self.sampler = ProcessTreeSampler(
+                os.getpid(), DEFAULT_PERIOD_S,
+                device_counter=counter.read if counter is not None else None,
+                device_source=counter.source if counter is not None else "none")
+            self.sampler.baseline()  # before the runtime is imported: everything above it is the session's
+            self.sampler.start()
+        except BaseException:
+            self.reaper.__exit__()
+            raise
         self._signals.__enter__()
         try:
             with self.observer.step(f"starting {self.device.backend} on {self.device.device_id} "
@@ -325,6 +346,7 @@ class StageSession:
                 raise StageError(f"the backend that owns {self.device.device_id} ({self.device.plugin}) does not "
                                  "implement start_stage; it can plan but not run")
             self.stage_pids = tuple(getattr(self.stage, "stage_pids", ()))
+            set_state("running")  # the host ledger's record (edge ps): the engine is up
         except BaseException as exc:
             self.__exit__(type(exc), exc, None)
             raise
@@ -352,6 +374,7 @@ class StageSession:
             if self.sampler is not None and self._report is None:
                 self.sampler.stop()
                 self._report = self.sampler.report()
+            self.reaper.__exit__()
             self._signals.__exit__()
             if self.engine_log is not None and not self._failed and not self._keep_log and self.stop_answer:
                 self.engine_log.remove()  # a clean session's log says nothing anyone needs
@@ -361,6 +384,16 @@ class StageSession:
         if self._report is None:
             raise StageError("the session's memory is read after it has stopped")
         return memory_record(self.plan, self._report)
+
+    @property
+    def session_id(self) -> str:
+        """The marker's value (``EDGE_SESSION_ID``) in every engine process this session starts."""
+        return self.reaper.session_id
+
+    def engine_processes(self) -> list[tuple[int, float]]:
+        """(pid, start time as psutil's ``create_time``) of the engine processes this session started that still
+        run; any process can ask the same with :func:`~edge_core.runtime.reaper.marked_processes`."""
+        return self.reaper.processes()
 
     def info(self) -> dict[str, Any]:
         return stage_info(self.stage) if self.stage is not None else {}
