@@ -13,6 +13,7 @@ table, peak against capacity, and KV line (on any plan).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -98,6 +99,7 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
     files and never touches the network itself. A refused plan downloads nothing.
     """
     # The planner is imported here, not with the module: `edge devices` builds this parser too.
+    from ..artifact.hub import looks_like_hub_id
     from ..plan import load_devices, make_plan, only_backend
 
     model = args.model or str(DEMO_MODEL)
@@ -116,15 +118,19 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
         return make_plan(path, session=session_from(args), devices=devices, host=host, registry=registry,
                          devices_source=source, digest_weights=args.digest_weights, revision=rev, ledger=ledger)
 
-    plan = plan_once(model, ledger_view(), revision)
     if not fetch_weights:
-        return plan, registry
+        return plan_once(model, ledger_view(), revision), registry
     downloaded = None
-    if plan.admitted and plan.source is not None and not plan.source.weights_present:
-        fetched = fetch_model(plan)
-        if isinstance(fetched, Plan):
-            return fetched, registry
-        downloaded = fetched
+    if looks_like_hub_id(model) and not os.path.lexists(model):
+        # Plan from the headers first: a refused model downloads nothing, an admitted one its weights.
+        plan = plan_once(model, ledger_view(), revision)
+        if not plan.admitted:
+            return plan, registry
+        if plan.source is not None and not plan.source.weights_present:
+            fetched = fetch_model(plan)
+            if isinstance(fetched, Plan):
+                return fetched, registry
+            downloaded = fetched
     return admit(plan_once, downloaded.path if downloaded else model, None if downloaded else revision, args,
                  downloaded), registry
 
