@@ -284,8 +284,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def _write(self, data: bytes) -> None:
-        self.wfile.write(data)
-        self.hub._count(len(data))
+        """Send ``data``, counting each piece the kernel accepted (``wfile`` is unbuffered here, so the two mix):
+        a client that hangs up mid-chunk is counted for what reached its socket, not for the whole chunk or none."""
+        view = memoryview(data)
+        while view:
+            sent = self.connection.send(view)
+            self.hub._count(sent)
+            view = view[sent:]
 
     def _json(self, payload: object, headers: dict[str, str] | None = None, status: int = 200) -> None:
         body = json.dumps(payload).encode()
