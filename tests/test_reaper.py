@@ -226,6 +226,11 @@ def test_marked_processes_names_only_the_session():
 
 # ---------------------------------------------------------------- real vLLM CPU
 
+def is_reaper(cmd: list[str]) -> bool:
+    """The reaper's command line, wherever edge_core is installed (the checkout, or a wheel under nox)."""
+    return "--front" in cmd and any(Path(arg).name == "reaper.py" for arg in cmd)
+
+
 def tree_of(pid: int) -> list[tuple[int, float, list[str]]]:
     """(pid, start time, command line) of ``pid``'s live descendants."""
     out = []
@@ -255,9 +260,9 @@ def test_kill_9_of_edge_run_leaves_no_engine_process(started):
             assert chunk, "stdout closed before any token: " + b"".join(err).decode()[-3000:]
             seen += chunk
         tree = tree_of(proc.pid)
-        reaper = next(cmd for _pid, _t, cmd in tree if str(REAPER) in cmd)
+        reaper = next(cmd for _pid, _t, cmd in tree if is_reaper(cmd))
         session = reaper[reaper.index("--session") + 1]
-        engine = [(pid, t) for pid, t, cmd in tree if str(REAPER) not in cmd]
+        engine = [(pid, t) for pid, t, cmd in tree if not is_reaper(cmd)]
         started.procs.extend(engine)
         assert len(engine) >= 2, tree  # vLLM's engine core and worker, at least
         assert {pid for pid, _ in engine} <= {pid for pid, _ in marked_processes(session)}, \
