@@ -58,7 +58,6 @@ MAX_RECORDS = 256
 LOCK_NAME = ".lock"
 #: The shared RAM pool's key in ``reserved_bytes``; private pools are keyed by device id.
 HOST_POOL = "host_ram"
-SESSION_ENV = "EDGE_SESSION_ID"
 
 
 @dataclass(frozen=True)

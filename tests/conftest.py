@@ -27,3 +27,14 @@ def host_tree(tmp_path: Path):
 @pytest.fixture
 def fake_entry_point():
     return FakeEntryPoint
+
+
+@pytest.fixture(scope="session")
+def llama8b(tmp_path_factory):
+    """Llama-3.1-8B as published: config and 4 header-only shards (planning tests of several modules)."""
+    from factories import KNOWN_CONFIGS, llama_like_tensors, write_checkpoint
+
+    config = dict(KNOWN_CONFIGS["meta-llama/Llama-3.1-8B"])
+    root = tmp_path_factory.mktemp("llama8b")
+    write_checkpoint(root, config, llama_like_tensors(config), shards=4)
+    return root

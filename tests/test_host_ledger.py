@@ -14,7 +14,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from factories import KNOWN_CONFIGS, llama_like_tensors, write_checkpoint
 
 from edge_core import host_ledger as hl
 from edge_core.devices import load_device_list
@@ -168,14 +167,6 @@ def _plan_beside(model: Path, view: hl.LedgerView | None):
     devices, host = load_device_list(str(HOST_DEVICES))
     return make_plan(str(model), session=SessionSpec(max_model_len=CONTEXT), devices=devices,
                      host=HostFacts.from_dict(host), devices_source="file", ledger=view)
-
-
-@pytest.fixture(scope="module")
-def llama8b(tmp_path_factory):
-    config = dict(KNOWN_CONFIGS["meta-llama/Llama-3.1-8B"])
-    root = tmp_path_factory.mktemp("llama8b")
-    write_checkpoint(root, config, llama_like_tensors(config), shards=4)
-    return root
 
 
 def test_a_plan_that_fits_only_without_another_session_names_it(llama8b):

@@ -27,14 +27,6 @@ def plan_for_file(model, name, **session):
 
 
 @pytest.fixture(scope="module")
-def llama8b(tmp_path_factory):
-    config = dict(KNOWN_CONFIGS["meta-llama/Llama-3.1-8B"])
-    root = tmp_path_factory.mktemp("llama8b")
-    write_checkpoint(root, config, llama_like_tensors(config), shards=4)
-    return root
-
-
-@pytest.fixture(scope="module")
 def llama8b_int8(tmp_path_factory):
     config = quantized_config(dict(KNOWN_CONFIGS["meta-llama/Llama-3.1-8B"]), "w8a8-int8")
     root = tmp_path_factory.mktemp("llama8b-int8")

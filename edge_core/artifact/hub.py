@@ -507,7 +507,7 @@ def _remote_header(fetcher: _Fetcher, name: str, listed: int | None) -> tuple[by
 # --------------------------------------------------------------------------- downloads
 
 
-def download_plan(source: ModelSource) -> tuple[list[str], int]:
+def download_plan(source: ModelSource, settings: HubSettings | None = None) -> tuple[list[str], int]:
     """The files :func:`download` fetches for ``source`` and the bytes still missing from the HF cache."""
     snapshot = Path(source.path)
     try:
@@ -516,7 +516,7 @@ def download_plan(source: ModelSource) -> tuple[list[str], int]:
         meta = {}
     weights = list(source.weight_files or meta.get("weight_files") or [])
     sizes = {w: (snapshot / w).stat().st_size for w in weights if (snapshot / w).exists()}
-    settings = HubSettings.from_env()
+    settings = HubSettings.from_env() if settings is None else settings
     have = _repo_dir(settings.cache_dir, source.repo or "") / "snapshots" / (source.commit or "")
     missing = sum(size for name, size in sizes.items() if not (have / name).is_file())
     return weights, missing
@@ -541,7 +541,7 @@ def download(source: ModelSource, environ: Mapping[str, str] | None = None) -> M
     if source.kind != "hub" or source.repo is None or source.commit is None:
         return source
     settings = HubSettings.from_env(environ)
-    weights, missing = download_plan(source)
+    weights, missing = download_plan(source, settings)
     free = free_bytes(settings.cache_dir)
     if missing > free:
         raise ArtifactError("disk_space_insufficient",
