@@ -5,7 +5,8 @@ admitted and is still loading holds bytes the host does not show yet, and one
 in another venv is invisible to this process. The ledger is a directory shared
 by all edge processes of this user on this host — ``$XDG_RUNTIME_DIR/edge``,
 else ``edge-<uid>`` under the temp directory, created 0700 — holding one small
-JSON record per live session. No daemon: whoever plans reads it.
+JSON record per live session (and per graph stage a process runs outside a
+session of its own). No daemon: whoever plans reads it.
 
 - **Admission under a lock.** :func:`admission` takes an exclusive ``fcntl``
   lock on the directory's lock file; the caller reads the live records, plans
@@ -411,10 +412,13 @@ class Registration:
 
     def remove(self) -> None:
         """Take the record out (the session ended); later updates are ignored."""
+        global _CURRENT
         with self._lock:
             self._stop.set()
             with contextlib.suppress(OSError):
                 os.unlink(self.directory / f"{self.record.session_id}.json")
+        if _CURRENT is self:
+            _CURRENT = None
 
 
 class Admission:
@@ -424,7 +428,17 @@ class Admission:
         self.directory, self.view = directory, view
 
     def register(self, *, command: str, model: str, artifact_id: str | None, device_ids: tuple[str, ...],
-                 reserved_bytes: Mapping[str, int], predicted_peak_bytes: int, headroom_bytes: int) -> Registration:
+                 reserved_bytes: Mapping[str, int], predicted_peak_bytes: int, headroom_bytes: int,
+                 session: bool = True) -> Registration:
+        """Write an admitted plan's record and return its registration.
+
+        A ``session`` (an edge command: one per process) is this process's
+        record: watched, removed at exit, and the one :func:`set_state` and
+        :func:`current` speak of. A part of a process that holds memory of its
+        own, such as a graph stage run in it, registers with ``session=False``:
+        its holder updates the measured bytes and removes the record when the
+        part ends; if the process dies first, the record goes stale with it.
+        """
         pid = os.getpid()
         created = start_time(pid)
         record = SessionRecord(
@@ -436,14 +450,21 @@ class Admission:
             predicted_peak_bytes=predicted_peak_bytes, headroom_bytes=headroom_bytes, started_at=time.time(),
             updated_at=time.time())
         _write_record(self.directory, record)
-        global _CURRENT
-        _CURRENT = Registration(self.directory, record)
-        _CURRENT.watch()
-        return _CURRENT
+        registration = Registration(self.directory, record)
+        if session:
+            global _CURRENT
+            _CURRENT = registration
+            registration.watch()
+        return registration
 
 
 #: This process's registration (one edge command = one session), for the runtime to report its state.
 _CURRENT: Registration | None = None
+
+
+def current() -> Registration | None:
+    """This process's session registration while its record is live (None before, after, or without one)."""
+    return _CURRENT
 
 
 def set_state(state: str) -> None:

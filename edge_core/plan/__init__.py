@@ -10,7 +10,7 @@ Modules: :mod:`.types` (the answer), :mod:`.planner` (the entry),
 :mod:`.checkpoint` (a whole decode session), :mod:`.graph_stage` (one
 exported-graph stage), :mod:`.kv` (KV-cache arithmetic), :mod:`.terms` (the
 core's memory terms), :mod:`.capacity` (what admission checks against),
-:mod:`.remedies`, :mod:`.ledger` (what the host pool already holds).
+:mod:`.remedies`, :mod:`.ledger` (what live sessions on this host already hold).
 
 The types are imported with the package; everything else on first use
 (:mod:`edge_core._exports` says why).
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from .checkpoint import DEFAULT_MAX_NUM_BATCHED_TOKENS, candidate_order, engine_kwargs_for, resolve_session
     from .graph_stage import executes_graphs, plan_graph_stage
     from .kv import KVEstimate, estimate_kv, kv_layout, max_model_len_for
-    from .ledger import HOST_LEDGER, HostLedger, LedgerEntry, held_bytes
     from .planner import load_devices, make_plan, only_backend
     from .remedies import FORMATS_ELSEWHERE
     from .terms import HOST_EXTERNAL_RESERVE_BYTES, SAFETY_MARGIN_FRACTION, VRAM_EXTERNAL_RESERVE_BYTES
@@ -35,16 +34,13 @@ __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "FORMATS_ELSEWHERE",
     "HOST_EXTERNAL_RESERVE_BYTES",
-    "HOST_LEDGER",
     "REFUSAL_CODES",
     "SAFETY_MARGIN_FRACTION",
     "STAGE_ONLY_KINDS",
     "VRAM_EXTERNAL_RESERVE_BYTES",
     "DeviceVerdict",
     "GraphStagePlan",
-    "HostLedger",
     "KVEstimate",
-    "LedgerEntry",
     "Plan",
     "Refusal",
     "SessionSpec",
@@ -53,7 +49,6 @@ __all__ = [
     "engine_kwargs_for",
     "estimate_kv",
     "executes_graphs",
-    "held_bytes",
     "kv_layout",
     "load_devices",
     "make_plan",
@@ -69,7 +64,6 @@ __getattr__ = lazy_exports(__name__, {
     "engine_kwargs_for": ".checkpoint", "resolve_session": ".checkpoint",
     "executes_graphs": ".graph_stage", "plan_graph_stage": ".graph_stage",
     "KVEstimate": ".kv", "estimate_kv": ".kv", "kv_layout": ".kv", "max_model_len_for": ".kv",
-    "HOST_LEDGER": ".ledger", "HostLedger": ".ledger", "LedgerEntry": ".ledger", "held_bytes": ".ledger",
     "load_devices": ".planner", "make_plan": ".planner", "only_backend": ".planner",
     "FORMATS_ELSEWHERE": ".remedies",
     "HOST_EXTERNAL_RESERVE_BYTES": ".terms", "SAFETY_MARGIN_FRACTION": ".terms",

@@ -7,8 +7,9 @@ per-node profile: listing a provider proves nothing) and the numeric gate
 (outputs against a CPU reference within a per-format tolerance,
 :func:`compare_outputs`). Either failing is a refusal in the record,
 ``execution_provider_declined_graph`` or ``numeric_gate_failed``, the latter
-constraining this artifact only. The stage holds its bytes in the host ledger
-while it runs.
+constraining this artifact only. While it runs the stage holds its bytes in
+the host-wide ledger (:mod:`edge_core.host_ledger`), where ``edge ps``, the
+next stage planned in this process and every other edge process see them.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import host_ledger
 from ..errors import EdgeError, StageError, UsageError
 from ..plan.graph_stage import DEFAULT_NUMERIC_TOLERANCE, EXPORT_SCRIPT
-from ..plan.ledger import HOST_LEDGER, HostLedger, held_bytes
-from ..plan.terms import external_reserve_bytes
+from ..plan.ledger import STAGE_COMMAND, check_committed, ledger_bytes
 from ..plan.types import Refusal
 from ..stream import StageRequest, StreamRun
 from . import ort_stage
@@ -32,6 +34,7 @@ from .measure import read_pss_bytes
 if TYPE_CHECKING:
     from ..artifact import Manifest
     from ..devices import Device
+    from ..host_ledger import Registration
     from ..plan import GraphStagePlan
     from ..registry import Registry
 
@@ -119,9 +122,42 @@ def _pss() -> int | None:
     return read_pss_bytes(os.getpid())
 
 
+def admit_stage(plan: GraphStagePlan, ledger_dir: Path | None = None) -> Registration | Refusal:
+    """Hold an admitted stage plan's bytes in the host-wide ledger for its run: a record of its own, or a refusal.
+
+    Under the ledger's lock, the plan's capacity is checked again against what
+    the live records hold now (a session or another stage may have been
+    admitted since the plan) and, if it still fits, a ``graph stage`` record
+    of this process is registered. The caller updates it with what the stage
+    has measurably taken and removes it when the stage ends.
+    """
+    device, manifest = plan.selected()
+    assert plan.peak is not None  # an admitted plan has its budget
+    capacity = (plan.stage or {}).get("host_pool", {}).get("capacity_bytes")
+    with host_ledger.admission(ledger_dir) as taken:
+        if capacity is not None and device.memory_pool == host_ledger.HOST_POOL:  # the pool planning checked
+            refusal = check_committed(device, plan.peak.admission_bytes, capacity, taken.view)
+            if refusal is not None:
+                return refusal
+        return taken.register(command=STAGE_COMMAND, model=plan.model_path, artifact_id=manifest.artifact_id,
+                              device_ids=(device.device_id,), reserved_bytes=ledger_bytes(plan),
+                              predicted_peak_bytes=plan.peak.predicted_bytes, headroom_bytes=plan.peak.headroom_bytes,
+                              session=False)
+
+
+def session_holding(plan: GraphStagePlan) -> Registration | None:
+    """This process's session registration when it was admitted for this very plan (``edge run --model GRAPH``)."""
+    device, manifest = plan.selected()
+    own = host_ledger.current()
+    if own is not None and own.record.artifact_id == manifest.artifact_id \
+            and own.record.device_ids == (device.device_id,):
+        return own
+    return None
+
+
 def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping[str, Any] | None = None, seed: int = 0,
-                    ledger: HostLedger | None = None, executor_providers: Iterable[str] | None = None,
-                    entry_id: str | None = None, idle_timeout_s: float = 600.0) -> dict[str, Any]:
+                    ledger_dir: Path | None = None, executor_providers: Iterable[str] | None = None,
+                    idle_timeout_s: float = 600.0) -> dict[str, Any]:
     """Run an admitted graph-stage plan once and return the placement and numeric-gate record.
 
     Goes through the owning backend's hooks (``start_stage``, ``stream``,
@@ -129,12 +165,14 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
     ``inputs`` default to deterministic samples (``seed``) shaped by the graph.
     ``executor_providers`` replaces the providers the session runs with while
     the placement target stays the route's provider (a stand-in: the record
-    says so). The stage is admitted in ``ledger`` (default :data:`HOST_LEDGER`)
-    while it runs and released after. ``record["passed"]`` is True only when
+    says so). While it runs the stage is a record in the host-wide ledger at
+    ``ledger_dir`` (default :func:`~edge_core.host_ledger.ledger_dir`),
+    admitted by :func:`admit_stage` and removed after — or, when this process's
+    session was admitted for this plan (``edge run`` registers before it starts
+    the stage), that session's record. ``record["passed"]`` is True only when
     the stage was placed on its target provider *and* passed the numeric gate;
     otherwise ``record["refusals"]`` says which gate said no.
     """
-    ledger = HOST_LEDGER if ledger is None else ledger
     record: dict[str, Any] = {
         "schema": "edge.graph_stage_run/1", "model_path": plan.model_path, "admitted": plan.admitted,
         "ran": False, "placed": False, "passed": False, "refusals": [r.to_dict() for r in plan.refusals],
@@ -168,22 +206,27 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
         record["stand_in"] = (f"the session runs with {', '.join(stand_in)} instead of the route's providers; "
                               f"placement is still judged against {target}")
 
-    held = held_bytes(plan)
-    capacity = stage_info.get("host_pool", {}).get("capacity_bytes")
-    entry_id = entry_id or f"stage:{device.device_id}:{manifest.artifact_id}"
-    reserve = external_reserve_bytes(plan.reservations)
-    try:
-        ledger.admit(entry_id, held, what=f"{device.backend} stage of {os.path.basename(plan.model_path)}",
-                     device_id=device.device_id,
-                     capacity_bytes=None if capacity is None else max(capacity - reserve, 0))
-    except ValueError as exc:
-        record["refusals"] = [_refusal_dict(
-            "budget_exceeds_device", device.device_id, f"the host pool changed since the plan: {exc}",
-            "release what was admitted since (see the ledger), then plan and run again", ledger=ledger.to_dict())]
+    session = session_holding(plan)
+    holder = session or admit_stage(plan, ledger_dir)
+    if isinstance(holder, Refusal):
+        record["refusals"] = [holder.to_dict()]
         return record
-    record["ledger_entry"] = {"entry_id": entry_id, "bytes": held}
+    held = holder.record
+    record["ledger_record"] = {"session_id": held.session_id, "command": held.command,
+                               "reserved_bytes": dict(held.reserved_bytes), "directory": str(holder.directory)}
 
     pss_before = _pss()
+
+    def measured(pss: int | None, state: str | None = None) -> None:
+        """The stage's own record: what it has measurably taken since it started (a session's watcher does its own)."""
+        changes: dict[str, Any] = {"state": state} if state else {}
+        if session is None and pss is not None and pss_before is not None:
+            grown = max(pss - pss_before, 0)
+            changes.update(measured_current_bytes=grown,
+                           measured_peak_bytes=max(grown, holder.record.measured_peak_bytes))
+        if changes:
+            holder.update(**changes)
+
     timings: dict[str, float] = {}
     handle = None
     try:
@@ -198,6 +241,7 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
             return record
         timings["start_s"] = time.perf_counter() - started
         pss_started = _pss()
+        measured(pss_started, "running")
         if handle is None:
             raise StageError(f"plugin {device.plugin!r} returned no stage from start_stage for {device.device_id}")
         specs = getattr(handle, "inputs", None)
@@ -226,6 +270,7 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
         outputs = dict(final.tensors or {})
         record["outputs"] = final.to_dict()["tensors"]
         pss_ran = _pss()
+        measured(pss_ran)
         record["stage"] = handle.to_dict() if hasattr(handle, "to_dict") else {}
         record["stage"].pop("placement", None)  # measured placement is the record's own section
 
@@ -260,6 +305,7 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
         reference, ran_ref = ort_stage.reference_outputs(reference_path, inputs)
         timings["reference_s"] = time.perf_counter() - started
         pss_ref = _pss()
+        measured(pss_ref)
         ran_ref["why"] = stage_info.get("reference_why")
         gate = compare_outputs(outputs, reference, weight_format=manifest.weight_format,
                                tolerance=float(stage_info.get("numeric_tolerance") or DEFAULT_NUMERIC_TOLERANCE),
@@ -296,7 +342,8 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
             except EdgeError as exc:
                 record["stopped"] = False
                 record["stop_error"] = str(exc)
-        ledger.release(entry_id)
+        if session is None:
+            holder.remove()
 
 
 def _declined_remedy(device: Device, manifest: Manifest, target: str, stage_info: Mapping[str, Any]) -> str:

@@ -19,7 +19,7 @@ from test_dml_probe import AMD, RYZEN_AI_WINDOWS, fake_winreg, make_root
 import edge_dml
 from edge_core.errors import PluginError
 from edge_core.host import HostFacts
-from edge_core.plan import HostLedger, SessionSpec, make_plan
+from edge_core.plan import SessionSpec, make_plan
 from edge_core.registry import Registry
 from edge_core.runtime import run_graph_stage
 from edge_dml import _probe
@@ -29,6 +29,12 @@ EXPORT_SCRIPT = REPO / "scripts" / "export_stage.py"
 DEMO = REPO / "edge_core" / "demo" / "tiny-llama"
 GIB = 1 << 30
 CPU_EP = "CPUExecutionProvider"
+
+
+@pytest.fixture(autouse=True)
+def private_ledger(tmp_path, monkeypatch):
+    """Plan and run against a host-wide ledger of the test's own, not this machine's live edge sessions."""
+    monkeypatch.setenv("EDGE_LEDGER_DIR", str(tmp_path / "ledger"))
 
 
 @pytest.fixture
@@ -118,7 +124,7 @@ def test_windows_igpu_admits_an_fp16_stage_and_is_declined_when_the_cpu_runs_it(
     result = plan(graphs["fp16"], device, registry)
     assert result.admitted, result.refusals
     assert result.stage["target_provider"] == "DmlExecutionProvider"
-    record = run_graph_stage(result, registry, executor_providers=[CPU_EP], ledger=HostLedger())
+    record = run_graph_stage(result, registry, executor_providers=[CPU_EP])
     assert record["ran"] and not record["placed"]
     [refusal] = record["refusals"]
     assert refusal["code"] == "execution_provider_declined_graph"

@@ -19,7 +19,7 @@ from test_vitisai_probe import NOTHING, RYZEN_AI, VITISAI, make_root
 import edge_vitisai
 from edge_core.cli.run import describe_stage_record
 from edge_core.host import HostFacts
-from edge_core.plan import HostLedger, SessionSpec, make_plan
+from edge_core.plan import SessionSpec, make_plan
 from edge_core.registry import Registry
 from edge_core.runtime import run_graph_stage
 from edge_vitisai import _probe
@@ -34,6 +34,12 @@ CPU_EP = "CPUExecutionProvider"
 def host() -> HostFacts:
     return HostFacts(system="linux", mem_total_bytes=32 * GIB, mem_available_bytes=28 * GIB, cgroup_limit_bytes=None,
                      cgroup_usage_bytes=None, logical_cores=8, physical_cores=8, cpu_model=RYZEN_AI, machine="x86_64")
+
+
+@pytest.fixture(autouse=True)
+def private_ledger(tmp_path, monkeypatch):
+    """Plan and run against a host-wide ledger of the test's own, not this machine's live edge sessions."""
+    monkeypatch.setenv("EDGE_LEDGER_DIR", str(tmp_path / "ledger"))
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +89,7 @@ def test_a16w8_stage_passes_the_format_gate_and_is_declined_once_profiling_shows
     assert result.admitted, result.refusals
     assert result.stage["target_provider"] == "VitisAIExecutionProvider"
     assert result.stage["route"]["backend"] == "ort:vitisai" and result.stage["route"]["interpreter"] == "linux"
-    record = run_graph_stage(result, registry, executor_providers=[CPU_EP], ledger=HostLedger())
+    record = run_graph_stage(result, registry, executor_providers=[CPU_EP])
     assert record["ran"] and not record["placed"] and not record["passed"]
     assert record["executor_providers"] == [CPU_EP] and "VitisAIExecutionProvider" in record["stand_in"]
     [refusal] = record["refusals"]
@@ -108,7 +114,7 @@ def test_the_real_route_on_a_runtime_without_vitisai_is_declined_too(graphs, reg
     if "VitisAIExecutionProvider" in onnxruntime.get_available_providers():
         pytest.skip("this ONNX Runtime offers VitisAI: the declined path needs a build without it")
     npu = probed(tmp_path, root=make_root(tmp_path, driver="amdxdna"), system="Linux", **VITISAI)
-    record = run_graph_stage(plan(graphs["a16w8"], npu, registry), registry, ledger=HostLedger())
+    record = run_graph_stage(plan(graphs["a16w8"], npu, registry), registry)
     [refusal] = record["refusals"]
     assert refusal["code"] == "execution_provider_declined_graph"
     assert refusal["details"]["missing_providers"] == ["VitisAIExecutionProvider"]
