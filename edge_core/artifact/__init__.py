@@ -17,9 +17,10 @@ from .demo import DEMO_DIR, DEMO_MODEL, DEMO_MODEL_HD16
 from .manifest import ARTIFACT_ID_HEX_CHARS, Manifest
 
 if TYPE_CHECKING:
-    from .checkpoint import INDEX_NAME, MAX_HEADER_BYTES, PICKLE_SUFFIXES, SAFETENSORS_DTYPES
+    from .checkpoint import INDEX_NAME, PICKLE_SUFFIXES
     from .config import CONFIG_NAME, TEXT_CONFIG_KEYS, identity, read_config, resolve_text_config
     from .formats import KNOWN_QUANT_METHODS, weight_format_for
+    from .header import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, TensorInfo, TensorTable
     from .reader import INTERNAL_MARK, read_manifest
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "PICKLE_SUFFIXES",
     "SAFETENSORS_DTYPES",
     "TEXT_CONFIG_KEYS",
+    "TensorInfo",
+    "TensorTable",
     "identity",
     "read_config",
     "read_manifest",
@@ -44,8 +47,8 @@ __all__ = [
 ]
 
 __getattr__ = lazy_exports(__name__, {
-    "INDEX_NAME": ".checkpoint", "MAX_HEADER_BYTES": ".checkpoint", "PICKLE_SUFFIXES": ".checkpoint",
-    "SAFETENSORS_DTYPES": ".checkpoint",
+    "INDEX_NAME": ".checkpoint", "PICKLE_SUFFIXES": ".checkpoint",
+    "MAX_HEADER_BYTES": ".header", "SAFETENSORS_DTYPES": ".header", "TensorInfo": ".header", "TensorTable": ".header",
     "CONFIG_NAME": ".config", "TEXT_CONFIG_KEYS": ".config", "identity": ".config", "read_config": ".config",
     "resolve_text_config": ".config",
     "KNOWN_QUANT_METHODS": ".formats", "weight_format_for": ".formats",

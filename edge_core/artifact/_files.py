@@ -69,15 +69,25 @@ def not_regular(path: str, what: str, code: str, root: str, st: os.stat_result) 
 
 
 def read_json(path: str, what: str, code: str, root: str) -> tuple[Any, int]:
+    data, size = read_bounded(path, what, code, root)
+    return parse_json(data, what, code, root), size
+
+
+def read_bounded(path: str, what: str, code: str, root: str) -> tuple[bytes, int]:
+    """A JSON file's bytes (at most :data:`MAX_JSON_BYTES`) and its size, unparsed."""
     with open_regular(path, what, code, root) as (f, size):
         data = f.read(MAX_JSON_BYTES + 1)
     if len(data) > MAX_JSON_BYTES:
         raise ArtifactError(code, f"{what} in {root} is larger than {MAX_JSON_BYTES} bytes",
                             "restore the file from the model's source", root)
+    return data, size
+
+
+def parse_json(data: bytes, what: str, code: str, root: str) -> Any:
     if not data.strip():
         raise ArtifactError(code, f"{what} in {root} is empty", "restore the file from the model's source", root)
     try:
-        return json.loads(data.decode("utf-8-sig")), size
+        return json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ArtifactError(code, f"{what} in {root} is not valid JSON: {exc}",
                             "restore the file from the model's source", root) from None

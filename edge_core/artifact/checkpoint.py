@@ -13,14 +13,17 @@ that is not a regular file; sharded checkpoints go through
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
-import json
+import operator
 import os
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from itertools import chain, repeat
+from typing import Any
 
 from ..errors import ArtifactError
-from ._files import canonical, check_contained, content_digest, open_regular, read_json, reject_duplicates
+from . import header_cache
+from ._files import canonical, check_contained, content_digest, parse_json, read_bounded, read_json
 from .config import (
     CONFIG_NAME,
     fill_library_defaults,
@@ -30,41 +33,13 @@ from .config import (
     resolve_text_config,
 )
 from .formats import weight_format_for
+from .header import SAFETENSORS_DTYPES, ShardHeader, ShardTensors, TensorTable, check_header, read_header
 from .manifest import ARTIFACT_ID_HEX_CHARS, Manifest
 
 INDEX_NAME = "model.safetensors.index.json"
 #: ModelOpt writes its scheme here when config.json carries none (vLLM reads it too).
 MODELOPT_CONFIG_NAME = "hf_quant_config.json"
 
-#: The safetensors reader's own cap on the JSON header; a larger length prefix
-#: is a lie or an attack, and honouring it would allocate that much memory.
-MAX_HEADER_BYTES = 100_000_000
-#: safetensors dtype code -> (bits per element, torch-style name). Sub-byte
-#: types pack elements; a tensor must still end on a byte boundary.
-SAFETENSORS_DTYPES: dict[str, tuple[int, str]] = {
-    "BOOL": (8, "bool"),
-    "U8": (8, "uint8"),
-    "I8": (8, "int8"),
-    "F8_E5M2": (8, "float8_e5m2"),
-    "F8_E4M3": (8, "float8_e4m3fn"),
-    "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"),
-    "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"),
-    "F8_E8M0": (8, "float8_e8m0fnu"),
-    "I16": (16, "int16"),
-    "U16": (16, "uint16"),
-    "F16": (16, "float16"),
-    "BF16": (16, "bfloat16"),
-    "I32": (32, "int32"),
-    "U32": (32, "uint32"),
-    "F32": (32, "float32"),
-    "C64": (64, "complex64"),
-    "F64": (64, "float64"),
-    "I64": (64, "int64"),
-    "U64": (64, "uint64"),
-    "F4": (4, "float4_e2m1"),
-    "F6_E2M3": (6, "float6_e2m3"),
-    "F6_E3M2": (6, "float6_e3m2"),
-}
 #: Activation dtypes a model can be "in"; quantized integer payloads are not.
 MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf16": "bfloat16",
@@ -81,13 +56,13 @@ PICKLE_REMEDY = (
 
 
 @dataclass(frozen=True)
-class _Shard:
-    name: str
-    size_bytes: int
-    header: bytes
-    #: tensor name -> (dtype code, bytes)
-    tensors: dict[str, tuple[str, int]]
+class _Weights:
+    """What the shards hold: their raw headers, bytes per dtype, the tensor count and table."""
 
+    headers: list[ShardHeader]
+    dtype_bytes: dict[str, int]
+    tensor_count: int
+    tensors: TensorTable
 
 
 def read_checkpoint(root: str, names: set[str], has_safetensors: bool, digest_weights: bool) -> Manifest:
@@ -113,11 +88,9 @@ def read_checkpoint(root: str, names: set[str], has_safetensors: bool, digest_we
                                 "re-export the checkpoint with NVIDIA ModelOpt", root)
         hf_quant = {"quant_method": "modelopt", **hf_quant}
 
-    shard_names, weight_map = _shard_names(root, names, files)
-    shards = [_read_safetensors_header(root, name) for name in shard_names]
-    for shard in shards:
-        files.append((shard.name, shard.size_bytes))
-    dtype_bytes, tensor_count = _check_tensors(root, shards, weight_map)
+    weights = _read_weights(root, names, files)
+    files.extend((header.name, header.size_bytes) for header in weights.headers)
+    dtype_bytes = weights.dtype_bytes
 
     config, text_key = resolve_text_config(raw_config)
     # Fields the config leaves to its library (gemma-3's text_config names six):
@@ -130,9 +103,9 @@ def read_checkpoint(root: str, names: set[str], has_safetensors: bool, digest_we
     ident.update(canonical(raw_config))
     if hf_quant is not None:
         ident.update(canonical(hf_quant))
-    for shard in sorted(shards, key=lambda s: s.name):
-        ident.update(shard.name.encode("utf-8", "surrogatepass") + b"\0")
-        ident.update(len(shard.header).to_bytes(8, "little") + shard.header)
+    for header in sorted(weights.headers, key=lambda h: h.name):
+        ident.update(header.name.encode("utf-8", "surrogatepass") + b"\0")
+        ident.update(len(header.raw).to_bytes(8, "little") + header.raw)
 
     architecture, model_type = identity(raw_config)
     return Manifest(
@@ -144,16 +117,17 @@ def read_checkpoint(root: str, names: set[str], has_safetensors: bool, digest_we
         dtype_bytes=dtype_bytes,
         architecture=architecture,
         model_type=model_type,
-        tensor_count=tensor_count,
+        tensor_count=weights.tensor_count,
         files=tuple(files),
         total_file_bytes=sum(size for _, size in files),
         config=config,
         quantization=copy.deepcopy(quantization),
         artifact_id=ident.hexdigest()[:ARTIFACT_ID_HEX_CHARS],
-        content_digest=content_digest(root, [s.name for s in shards]) if digest_weights else None,
+        content_digest=content_digest(root, [h.name for h in weights.headers]) if digest_weights else None,
         text_config_key=text_key,
         config_defaults=defaults.values,
         config_defaults_source=defaults.source,
+        tensors=weights.tensors,
     )
 
 
@@ -178,14 +152,54 @@ def _model_dtype(config: dict[str, Any], raw: dict[str, Any], dtype_bytes: dict[
 
 
 
-def _shard_names(root: str, names: set[str], files: list[tuple[str, int]]) -> tuple[list[str], dict[str, str] | None]:
-    if INDEX_NAME not in names:
-        return sorted(n for n in names if n.endswith(".safetensors")), None
-    index, size = read_json(os.path.join(root, INDEX_NAME), INDEX_NAME, "artifact_invalid", root)
-    files.append((INDEX_NAME, size))
+def _read_weights(root: str, names: set[str], files: list[tuple[str, int]]) -> _Weights:
+    """The shards' headers, checked (or found in the header cache, verified against the bytes read now)."""
+    index_raw = None
+    if INDEX_NAME in names:
+        index_raw, size = read_bounded(os.path.join(root, INDEX_NAME), INDEX_NAME, "artifact_invalid", root)
+        files.append((INDEX_NAME, size))
+    listed = sorted(n for n in names if n.endswith(".safetensors")) if index_raw is None else None
+    key = header_cache.cache_key(index_raw, listed or [])
+    verdict = header_cache.load(key)
+    if key is not None and verdict is not None:
+        headers = _verified_headers(root, verdict, listed)
+        if headers is not None:
+            table = TensorTable(root, headers, None, verdict.tensor_count,
+                                load=functools.partial(header_cache.load_table, key, verdict, headers),
+                                keep=functools.partial(header_cache.store_table, key, verdict))
+            return _Weights(headers, dict(verdict.dtype_bytes), verdict.tensor_count, table)
+    shard_names, weight_map = (listed, None) if listed is not None else _index_shards(root, index_raw or b"")
+    headers = [read_header(root, name) for name in shard_names]
+    shards = [check_header(root, header) for header in headers]
+    dtype_bytes, tensor_count = check_tensors(root, shards, weight_map)
+    keep = None
+    parsed = len(index_raw or b"") + sum(len(header.raw) for header in headers)
+    if key is not None and parsed >= header_cache.MIN_CACHED_BYTES:
+        verdict = header_cache.verdict_for(headers, dtype_bytes, tensor_count)
+        header_cache.store(key, verdict)
+        keep = functools.partial(header_cache.store_table, key, verdict)
+    return _Weights(headers, dtype_bytes, tensor_count, TensorTable(root, headers, shards, tensor_count, keep=keep))
+
+
+def _verified_headers(root: str, verdict: header_cache.Verdict, listed: list[str] | None) -> list[ShardHeader] | None:
+    """The shards' headers when they are the bytes ``verdict`` was reached on; None sends the reader the long way."""
+    names = verdict.shard_names
+    if listed is not None and names != listed:
+        return None
+    try:
+        for name in names:
+            check_contained(root, name, INDEX_NAME)
+        headers = [read_header(root, name) for name in names]
+    except ArtifactError:
+        return None  # the long way reads again and names the problem
+    return headers if verdict.holds_for(headers) else None
+
+
+def _index_shards(root: str, index_raw: bytes) -> tuple[list[str], dict[str, str]]:
+    index = parse_json(index_raw, INDEX_NAME, "artifact_invalid", root)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    # JSON object keys are always strings; the values are checked as one column.
+    if not isinstance(weight_map, dict) or not weight_map or set(map(type, weight_map.values())) != {str}:
         raise ArtifactError("artifact_invalid", f"{root}/{INDEX_NAME} has no weight_map of tensor -> file names",
                             "restore the index from the model's source", root)
     shard_names = sorted(set(weight_map.values()))
@@ -198,133 +212,39 @@ def _shard_names(root: str, names: set[str], files: list[tuple[str, int]]) -> tu
 
 
 
-def _read_safetensors_header(root: str, name: str) -> _Shard:
-    path = os.path.join(root, name)
-    with open_regular(path, f"shard {name}", "artifact_invalid", root) as (f, size):
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            _bad(root, name, f"is {size} bytes, too short for the 8-byte header length")
-        header_len = int.from_bytes(prefix, "little")
-        if header_len > MAX_HEADER_BYTES:
-            _bad(root, name, f"claims a {header_len}-byte header (limit {MAX_HEADER_BYTES})")
-        if 8 + header_len > size:
-            _bad(root, name, f"claims a {header_len}-byte header but the file is only {size} bytes (truncated?)")
-        raw = f.read(header_len)
-    if len(raw) != header_len:
-        _bad(root, name, "changed size while being read")
-    try:
-        header = _parse_header(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        _bad(root, name, f"has a header that is not JSON ({exc})")
-    if not isinstance(header, dict):
-        _bad(root, name, "has a header that is not a JSON object")
-    data_bytes = size - 8 - header_len
-    tensors: dict[str, tuple[str, int]] = {}
-    ranges: list[tuple[int, int, str]] = []
-    for key, info in header.items():
-        if key == "__metadata__":
-            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
-                _bad(root, name, "has __metadata__ that is not a map of strings")
-            continue
-        dtype, nbytes, begin, end = _tensor_entry(root, name, key, info, data_bytes)
-        tensors[key] = (dtype, nbytes)
-        ranges.append((begin, end, key))
-    # The safetensors loader requires tensors to tile the data section exactly;
-    # anything else is a file it would refuse at load time.
-    cursor, previous = 0, None
-    for begin, end, key in sorted(ranges):
-        if begin < cursor:
-            _bad(root, name, f"has overlapping tensors {previous!r} and {key!r}")
-        if begin > cursor:
-            _bad(root, name, f"has bytes [{cursor}, {begin}) that belong to no tensor")
-        cursor, previous = end, key
-    if cursor != data_bytes:
-        _bad(root, name, f"has {data_bytes - cursor} trailing bytes after the last tensor")
-    return _Shard(name=name, size_bytes=size, header=raw, tensors=tensors)
+def check_tensors(root: str, shards: list[ShardTensors], weight_map: dict[str, str] | None,
+                   ) -> tuple[dict[str, int], int]:
+    """Bytes per dtype and the tensor count, once each tensor is in one shard and where the index says.
 
-
-#: The keys of a tensor entry; a header whose raw text names each exactly once per tensor has no duplicates of them.
-_ENTRY_KEYS = (b'"dtype"', b'"shape"', b'"data_offsets"')
-
-
-def _parse_header(raw: bytes) -> Any:
-    """The header as JSON, refusing duplicate keys (a duplicated tensor or field would be silently dropped).
-
-    Checking duplicates with ``object_pairs_hook`` costs a Python call per
-    object, doubling the parse of a 90,000-tensor header. The fast path parses
-    plainly, then counts each entry key in the raw text: when every count equals
-    the number of tensors parsed, no tensor name or entry field appeared twice.
-    Any difference (a duplicate, an escaped key, a key quoted inside metadata)
-    re-parses with the hook, which names the duplicate.
+    Asked of whole columns first, in C: with an index, every tensor of a shard
+    maps to that shard and the counts agree (so no tensor is in two shards and
+    every indexed one is held); without, the names are distinct. Only a failure
+    walks the tensors, to name the first one at fault (or to accept tensors a
+    shard holds beyond the index, which the index need not list).
     """
-    text = raw.decode("utf-8")
-    header = json.loads(text)
-    if isinstance(header, dict):
-        tensors = len(header) - ("__metadata__" in header)
-        if all(raw.count(key) == tensors for key in _ENTRY_KEYS):
-            return header
-    return json.loads(text, object_pairs_hook=reject_duplicates)
-
-
-def _tensor_entry(root: str, name: str, key: str, info: Any, data_bytes: int) -> tuple[str, int, int, int]:
-    # ``type(x) is int`` rather than isinstance: it excludes bool, and this runs once per tensor
-    # (90,000 in DeepSeek-V3), so the checks are written out flat.
-    if type(info) is not dict:
-        _bad(root, name, f"describes tensor {key!r} with a {type(info).__name__}, not an object")
-    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if type(dtype) is not str or dtype not in SAFETENSORS_DTYPES:
-        _bad(root, name, f"gives tensor {key!r} unknown dtype {dtype!r}")
-    if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
-            or type(offsets[1]) is not int or offsets[0] < 0 or offsets[0] > offsets[1]):
-        _bad(root, name, f"gives tensor {key!r} data_offsets {offsets!r}; expected [begin, end] with 0 <= begin <= end")
-    begin, end = offsets
-    if end > data_bytes:
-        _bad(root, name, f"places tensor {key!r} at bytes [{begin}, {end}) but the data section has only "
-                         f"{data_bytes} bytes (truncated download?)")
-    if type(shape) is not list:
-        _bad(root, name, f"gives tensor {key!r} shape {shape!r}; expected a list of non-negative integers")
-    budget_bits = (end - begin) * 8
-    elements_bits, empty = SAFETENSORS_DTYPES[dtype][0], False
-    for dim in shape:
-        if type(dim) is not int or dim < 0:
-            _bad(root, name, f"gives tensor {key!r} shape {shape!r}; expected a list of non-negative integers")
-        if dim == 0:
-            empty = True
-        elif elements_bits <= budget_bits:  # stop multiplying before a hostile shape builds a huge integer
-            elements_bits *= dim
-    if empty:
-        elements_bits = 0
-    if elements_bits % 8:
-        _bad(root, name, f"gives sub-byte tensor {key!r} ({dtype}, shape {shape}) a size that is not whole bytes")
-    if elements_bits != budget_bits:
-        _bad(root, name, f"gives tensor {key!r} ({dtype}, shape {shape}) {end - begin} bytes; "
-                         f"its shape needs {'more' if elements_bits > budget_bits else elements_bits // 8}")
-    return dtype, end - begin, begin, end
-
-
-def _check_tensors(root: str, shards: list[_Shard], weight_map: dict[str, str] | None) -> tuple[dict[str, int], int]:
+    total = sum(len(shard.names) for shard in shards)
+    if weight_map is not None:
+        agree = total == len(weight_map) and all(
+            all(map(operator.eq, repeat(shard.name), map(weight_map.get, shard.names))) for shard in shards)
+    else:
+        agree = len(set(chain.from_iterable(shard.names for shard in shards))) == total
     owner: dict[str, str] = {}
-    dtype_bytes: dict[str, int] = {}
-    for shard in shards:
-        for key, (dtype, nbytes) in shard.tensors.items():
+    for shard in shards if not agree else ():
+        for key in shard.names:
             if key in owner:
                 raise ArtifactError("artifact_invalid", f"tensor {key!r} is in both {owner[key]} and {shard.name}",
                                     "remove stray .safetensors files so each tensor is stored once", root)
             owner[key] = shard.name
-            dtype_bytes[dtype] = dtype_bytes.get(dtype, 0) + nbytes
-    for key, name in (weight_map or {}).items():
+    for key, name in (weight_map or {}).items() if not agree else ():
         if owner.get(key) != name:
             raise ArtifactError("artifact_invalid",
                                 f"{INDEX_NAME} places tensor {key!r} in {name}, whose header does not hold it",
                                 "restore the index and shards from the same revision of the model", root)
-    if not owner:
+    if not total:
         raise ArtifactError("artifact_invalid", f"the safetensors files in {root} hold no tensors",
                             "download the model's weights into the directory", root)
-    return dict(sorted(dtype_bytes.items())), len(owner)
-
-
-
-def _bad(root: str, name: str, what: str) -> NoReturn:
-    raise ArtifactError("artifact_invalid", f"safetensors file {name} in {root} {what}",
-                        "re-download the file (or re-save it with safetensors); edge reads only valid headers", root)
-
+    dtype_bytes: dict[str, int] = {}
+    for shard in shards:
+        for dtype, nbytes in shard.dtype_bytes.items():
+            dtype_bytes[dtype] = dtype_bytes.get(dtype, 0) + nbytes
+    return dict(sorted(dtype_bytes.items())), total

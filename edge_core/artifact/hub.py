@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ArtifactError, UsageError
-from .checkpoint import INDEX_NAME, MAX_HEADER_BYTES, MODELOPT_CONFIG_NAME, PICKLE_REMEDY, PICKLE_SUFFIXES
+from .checkpoint import INDEX_NAME, MODELOPT_CONFIG_NAME, PICKLE_REMEDY, PICKLE_SUFFIXES
 from .config import CONFIG_NAME
+from .header import MAX_HEADER_BYTES
 
 #: Seconds any one Hub request may take (connect, or between bytes) before edge gives up on it.
 #: ``EDGE_HUB_TIMEOUT`` overrides it. vLLM 0.32 took 96.9 s to fail on an unreachable Hub.

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .formats import quantization_scheme_for
+
+if TYPE_CHECKING:
+    from .header import TensorTable
 
 #: Hex characters of the short artifact id (a digest of config and headers).
 ARTIFACT_ID_HEX_CHARS = 16
@@ -51,6 +54,9 @@ class Manifest:
     #: static/dynamic activations: :data:`.formats.SCHEME_KEYS`); derived from
     #: ``quantization`` when the reader leaves it None.
     quantization_scheme: dict[str, Any] | None = None
+    #: Every tensor of a checkpoint as (name, dtype, shape, nbytes, file), iterated on
+    #: demand (:class:`.header.TensorTable`); None for a graph. Not part of ``to_dict``.
+    tensors: TensorTable | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.quantization_scheme is None and self.quantization is not None:
@@ -66,7 +72,7 @@ class Manifest:
         return self.weight_format not in ("dense", "onnx:fp32", "onnx:fp16", "onnx:bf16")
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "tensors"}
         out["files"] = [{"name": name, "size_bytes": size} for name, size in self.files]
         out["evidence"] = "D"
         return out
