@@ -111,6 +111,7 @@ HOST_SECTION_FIELDS: dict[str, FieldSpec] = {
     "isa_flags": (False, lambda v: v is None or (isinstance(v, list) and _is_str_list(v)),
                   "a list of flag names such as ['avx2']"),
     "is_wsl": (False, lambda v: isinstance(v, bool), "true or false"),
+    "hostname": (False, lambda v: isinstance(v, str), "a string"),
     "numa_nodes": (False, lambda v: v is None or isinstance(v, list), "a list of node objects"),
 }
 NUMA_NODE_FIELDS: dict[str, FieldSpec] = {

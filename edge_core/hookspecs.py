@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # imported for annotations only: the core stays cheap to impo
     from .devices import Device, DeviceCounter
     from .host import HostFacts
     from .plan import Plan, Refusal, SessionSpec
+    from .plan.parallel import DeviceShare
     from .serving import ServerHandle, ServerOptions
     from .stream import DeltaEvent, StageRequest
 
@@ -96,29 +97,37 @@ def gate_plan(
     session: SessionSpec,
     host: HostFacts,
     reservations: list[Reservation],
+    share: DeviceShare | None,
 ) -> list[Refusal] | None:
     """Return the backend's own reasons to refuse this session, or an empty list.
 
     Kernel limits (supported attention head sizes, bf16 below SM 8.0) and
     capacity checks the runtime will make itself (vLLM CPU's per-NUMA-node KV
     check). ``reservations`` is the session's full budget (core terms and this
-    backend's ``reserve_memory`` terms), in bytes. Each refusal carries a code,
-    a message and a remedy. Owning backend only; called after the format gate
-    and before the core's capacity gate.
+    backend's ``reserve_memory`` terms), in bytes. ``share`` is None for a
+    session on this one device, else the part of a tensor/pipeline-parallel
+    layout the device runs (its ranks, their layers; ``share.layout`` has the
+    sizes): refuse what the runtime cannot split (a model without pipeline
+    support). Each refusal carries a code, a message and a remedy. Owning
+    backend only; called after the format gate and before the core's capacity
+    gate.
     """
 
 
 @hookspec(firstresult=True)
 def reserve_memory(
-    device: Device, manifest: Manifest, session: SessionSpec, host: HostFacts
+    device: Device, manifest: Manifest, session: SessionSpec, host: HostFacts, share: DeviceShare | None
 ) -> list[Reservation] | None:
     """Return the backend's own memory terms for a planned session, in bytes.
 
     The core already reserves weights, KV cache, activations, the load
     transient and headroom; a backend adds what only it knows: runtime baseline
     (vLLM CPU runs several processes that each import torch), CUDA context,
-    graph-capture pool, workspace. Each term names its pool, lifetime and
-    evidence class. Owning backend only.
+    graph-capture pool, workspace. With ``share`` (ranks of a parallel layout
+    on this device; ``manifest.weight_bytes`` is then their slice) add the
+    terms of every rank process it runs and the collective-communication
+    buffers. Each term names its pool, lifetime and evidence class. Owning
+    backend only.
     """
 
 

@@ -67,6 +67,8 @@ class HostFacts:
     numa_nodes: tuple[NumaNode, ...] = ()
     is_wsl: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
+    #: The host's name (a multi-host plan labels each device list's devices with it; Ray's head address).
+    hostname: str = ""
 
     @property
     def usable_bytes(self) -> int:
@@ -99,6 +101,7 @@ class HostFacts:
             "isa_flags": list(self.isa_flags),
             "numa_nodes": [node.to_dict() for node in self.numa_nodes],
             "is_wsl": self.is_wsl,
+            "hostname": self.hostname,
         }
 
     @classmethod
@@ -132,6 +135,7 @@ class HostFacts:
             isa_flags=tuple(data.get("isa_flags") or ()),
             numa_nodes=nodes,
             is_wsl=bool(data.get("is_wsl", False)),
+            hostname=str(data.get("hostname") or ""),
         )
 
 
@@ -295,4 +299,5 @@ def read_host(root: str | os.PathLike[str] = "/") -> HostFacts:
         isa_flags=flags,
         numa_nodes=read_numa_nodes(base),
         is_wsl=is_wsl,
+        hostname=(platform.node() if str(root) == "/" else (_read(base / "proc/sys/kernel/hostname") or "").strip()),
     )

@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 from factories import KNOWN_CONFIGS, llama_like_tensors, quantize_tensors, quantized_config, write_checkpoint
 
+from edge_core.artifact import read_manifest
 from edge_core.budget import peak
 from edge_core.devices import load_device_list
 from edge_core.host import HostFacts, read_host
 from edge_core.plan import SessionSpec, candidate_order, make_plan
 from edge_core.plan.kv import estimate_kv
+from edge_core.plan.parallel import ParallelRequest
 from edge_core.registry import Registry
 
 DATA = Path(__file__).parent / "data"
@@ -188,10 +190,11 @@ def cpu_registry(monkeypatch):
     return registry
 
 
-def plan_with_cpu(monkeypatch, model, host, **session):
+def plan_with_cpu(monkeypatch, model, host, parallel=None, **session):
     registry = cpu_registry(monkeypatch)
     devices = registry.probe(host)
-    return make_plan(str(model), session=SessionSpec(**session), devices=devices, host=host, registry=registry)
+    return make_plan(str(model), session=SessionSpec(**session), devices=devices, host=host, registry=registry,
+                     parallel=parallel)
 
 
 def test_head_dim_16_demo_is_refused_by_edge_cpu(monkeypatch):
@@ -214,10 +217,23 @@ def _kv_for(config, tokens):
 def test_kv_pool_larger_than_the_bound_numa_node_is_refused_naming_it(monkeypatch, host_tree, llama8b):
     root = host_tree(mem_total=64 * GIB, mem_available=60 * GIB, nodes=[
         {"total": 32 * GIB, "free": 10 * GIB, "cpus": 2}, {"total": 32 * GIB, "free": 30 * GIB, "cpus": 2}])
-    plan = plan_with_cpu(monkeypatch, llama8b, read_host(root), max_model_len=131072)  # 16 GiB of KV
+    one_device = ParallelRequest(tp=1, pp=1)  # this session on the one CPU device, as vLLM would run it
+    plan = plan_with_cpu(monkeypatch, llama8b, read_host(root), parallel=one_device,
+                         max_model_len=131072)  # 16 GiB of KV
     [refusal] = plan.refusals
     assert refusal.code == "budget_exceeds_device" and "NUMA node 0" in refusal.message
     assert refusal.details["node_capacity_bytes"] == 10 * GIB
+
+
+def test_a_kv_pool_no_numa_node_holds_splits_over_one_rank_per_node(monkeypatch, host_tree, llama8b):
+    root = host_tree(mem_total=64 * GIB, mem_available=60 * GIB, nodes=[
+        {"total": 32 * GIB, "free": 10 * GIB, "cpus": 2}, {"total": 32 * GIB, "free": 30 * GIB, "cpus": 2}])
+    plan = plan_with_cpu(monkeypatch, llama8b, read_host(root), max_model_len=131072)
+    # 8 KV heads split 2 ways: each rank's pool is half the 16 GiB, and fits node 0's 10 GiB.
+    assert plan.admitted and plan.parallel is not None and plan.parallel["tensor_parallel_size"] == 2
+    assert plan.parallel["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
+    whole = _kv_for(dict(read_manifest(str(llama8b)).config), 131072)
+    assert plan.engine_kwargs["kv_cache_memory_bytes"] < whole * 0.51
 
 
 def test_cgroup_limit_below_host_ram_is_the_capacity(monkeypatch, host_tree):

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ..budget import Peak, Reservation
     from ..host_ledger import LedgerView
     from ..plan import DeviceVerdict, KVEstimate
+    from ..plan.parallel import ParallelRequest
 
 def planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="DIR|ORG/NAME",
@@ -49,8 +50,17 @@ def planning_options(parser: argparse.ArgumentParser) -> None:
                         help="tokens per forward pass (default min(max-model-len, 2048))")
     parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                         help="KV cache dtype (auto = the model's dtype)")
-    parser.add_argument("--devices", metavar="FILE",
-                        help="plan against a device list saved from `edge devices --json` on another machine")
+    parser.add_argument("--devices", metavar="FILE", action="append",
+                        help="plan against a device list saved from `edge devices --json` on another machine; "
+                             "give it once per host to plan across hosts on vLLM's Ray path")
+    parser.add_argument("--tensor-parallel-size", type=positive_int, metavar="N",
+                        help="split every layer across N like devices (default: one device, or the smallest "
+                             "layout that fits when none does)")
+    parser.add_argument("--pipeline-parallel-size", type=positive_int, metavar="N",
+                        help="split the layers into N stages on like devices (default 1; across hosts, the stages)")
+    parser.add_argument("--device-ids", metavar="ID,ID", type=_id_list,
+                        help="only these devices, in this order (e.g. cuda:1,cuda:2): one of them, or the "
+                             "group a parallel layout runs on")
     parser.add_argument("--backend", metavar="NAME",
                         help="only this backend's devices: a plugin name from `edge plugins` (cpu, transformers, "
                              "...) or a device's backend (vllm:cpu)")
@@ -77,6 +87,21 @@ def add_plan_command(sub: Any) -> None:
     plan.set_defaults(handler=cmd_plan)
 
 
+def _id_list(text: str) -> tuple[str, ...]:
+    ids = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not ids:
+        raise argparse.ArgumentTypeError("expected device ids separated by commas, e.g. cuda:0,cuda:1")
+    return ids
+
+
+def parallel_from(args: argparse.Namespace) -> ParallelRequest:
+    from ..plan.parallel import ParallelRequest
+
+    return ParallelRequest(tp=getattr(args, "tensor_parallel_size", None),
+                           pp=getattr(args, "pipeline_parallel_size", None),
+                           device_ids=tuple(getattr(args, "device_ids", None) or ()))
+
+
 def session_from(args: argparse.Namespace) -> SessionSpec:
     # Eager is right for a one-shot run; `edge serve` decides with --enforce-eager / --compile.
     return SessionSpec(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -100,14 +125,16 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
     """
     # The planner is imported here, not with the module: `edge devices` builds this parser too.
     from ..artifact.hub import looks_like_hub_id
-    from ..plan import load_devices, make_plan, only_backend
+    from ..plan import make_plan, only_backend
+    from ..plan.planner import load_device_sets
 
     model = args.model or str(DEMO_MODEL)
     registry = registry_from(args)
     mask = mask_from(args) if mask is None else mask
+    hosts: dict[str, Any] = {}
     if args.devices:
-        host, devices = load_devices(args.devices, registry, mask)
-        source = f"file:{args.devices}"
+        host, devices, hosts = load_device_sets(list(args.devices), registry, mask)
+        source = "file:" + ",".join(args.devices)
     else:
         host, devices = discover(registry, mask)
         source = "probed"
@@ -116,7 +143,8 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
 
     def plan_once(path: str, ledger: LedgerView | None, rev: str | None) -> Plan:
         return make_plan(path, session=session_from(args), devices=devices, host=host, registry=registry,
-                         devices_source=source, digest_weights=args.digest_weights, revision=rev, ledger=ledger)
+                         devices_source=source, digest_weights=args.digest_weights, revision=rev, ledger=ledger,
+                         parallel=parallel_from(args), hosts=hosts)
 
     if not fetch_weights:
         return plan_once(model, ledger_view(), revision), registry
@@ -246,6 +274,47 @@ def defaults_line(values: dict[str, Any], source: str | None) -> str:
     return f"{', '.join(shown)} from {(source or 'its library').removesuffix(' defaults, read from its source')}"
 
 
+def parallel_lines(parallel: dict[str, Any] | None) -> list[str]:
+    """A parallel plan's ranks (one line per device: its ranks, layers and budget), environment and commands.
+
+    The reservation table above is rank 0's device; every device's own is in ``--json`` (``parallel.devices``).
+    """
+    if not parallel:
+        return []
+    ranks = {r["rank"]: r for r in parallel["ranks"]}
+    rows: dict[str, tuple[list[int], list[str]]] = {}  # devices with the same budget share one line
+    for device in parallel["devices"]:
+        share, peak = device["share"], device["peak"] or {}
+        layers = share["layers"] or ["-", "-"]
+        rank_kv = ranks[share["ranks"][0]]["kv_cache_bytes"]
+        per = "/rank" if len(share["ranks"]) > 1 else ""
+        budget = (f"layers {layers[0]}-{layers[1]}, weights {mib(share['rank_weight_bytes'])}{per}, "
+                  f"KV {mib(rank_kv)}{per}, needs {mib(peak.get('admission_bytes') or 0)} of "
+                  f"{mib(device['capacity_bytes'] or 0)}")
+        held, ids = rows.setdefault(budget, ([], []))
+        held.extend(share["ranks"])
+        ids.append(device["device_id"])
+    lines = []
+    for budget, (held, ids) in rows.items():
+        span = f"{held[0]}-{held[-1]}" if len(held) > 2 else ",".join(map(str, held))
+        lines.append(f"  rank{'s' if len(held) > 1 else ' '}     {span} on {_span(ids)}: {budget}")
+    if parallel.get("env"):
+        lines.append("  env       " + " ".join(f"{k}={v}" for k, v in parallel["env"].items()))
+    for command in parallel.get("commands") or ():
+        lines.append(f"  on {command['host']}: {command['command']}")
+    return lines
+
+
+def _span(ids: list[str]) -> str:
+    """``cuda:0..3`` for a run of like ids, else them all."""
+    if len(ids) > 2:
+        stem, _, first = ids[0].rpartition(":")
+        last = ids[-1].rpartition(":")[2]
+        if all(i.rpartition(":")[0] == stem for i in ids) and first.isdigit() and last.isdigit():
+            return f"{stem}:{first}..{last}"
+    return "+".join(ids)
+
+
 def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
     """Render ``plan``; with ``explain`` every budgeted device's reservations, peak and KV (``--explain``)."""
     verdict = "ADMITTED" if plan.admitted else "REFUSED"
@@ -253,6 +322,12 @@ def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
     what = f"{manifest.architecture or manifest.model_type} {manifest.weight_format} {mib(manifest.weight_bytes)}" \
         if manifest is not None else plan.model_path
     where = f" on {plan.selected_device.device_id} ({plan.backend})" if plan.selected_device is not None else ""
+    if plan.parallel:
+        by_host: dict[str, list[str]] = {}
+        for row in plan.parallel["devices"]:
+            by_host.setdefault(row["host"], []).append(row["device_id"])
+        ids = " + ".join(_span(hosted) for hosted in by_host.values())
+        where = f" on {ids} ({plan.backend}, {plan.parallel['label']})"
     print(f"{verdict}{where}: {plan.model_path}")
     print(f"  model     {what}" + (f"  [artifact {manifest.artifact_id}]" if manifest is not None else ""))
     if plan.source is not None and plan.source.kind != "local":
@@ -284,6 +359,8 @@ def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
     if plan.engine_kwargs:
         shown = ", ".join(f"{k}={v}" for k, v in plan.engine_kwargs.items() if k != "model")
         print(f"  engine    {shown}")
+    for line in parallel_lines(plan.parallel):
+        print(line)
     for verdict_row in plan.verdicts:
         if not verdict_row.selected and (plan.admitted or verdict_row.note):
             why = verdict_row.note or "; ".join(f"[{r.code}] {r.message}" for r in verdict_row.refusals)

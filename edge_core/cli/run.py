@@ -121,9 +121,10 @@ def add_run_commands(sub: Any) -> None:
 
 def plan_here(args: argparse.Namespace, mask: frozenset[str] | None = None) -> tuple[Plan, Registry, float]:
     """Plan against this machine's devices (a run cannot use another machine's list); returns the seconds too."""
-    if getattr(args, "devices", None):
+    if len(getattr(args, "devices", None) or ()) == 1:
         raise UsageError("--devices plans against another machine's device list; a run needs this machine's "
-                         "devices (drop --devices, or use `edge plan --devices FILE`)")
+                         "devices (drop --devices, or use `edge plan --devices FILE`); a Ray layout across "
+                         "hosts gives one list per host (--devices A.json --devices B.json)")
     started = time.perf_counter()
     plan, registry = plan_from_args(args, mask, fetch_weights=True)
     return plan, registry, time.perf_counter() - started

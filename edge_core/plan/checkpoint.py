@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..host_ledger import LedgerView
     from ..registry import Registry
     from .kv import KVEstimate
+    from .parallel import DeviceShare
 
 #: Engine default when the user sets no token budget per forward pass.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -217,13 +218,18 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
 
 def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, host: HostFacts | None,
                    registry: Registry | None, devices: list[Device] | None = None,
-                   ledger: LedgerView | None = None) -> DeviceOutcome:
+                   ledger: LedgerView | None = None, share: DeviceShare | None = None) -> DeviceOutcome:
     """The format gate, the backend's gates and the capacity gate for one runnable device.
 
     Past the format gate the whole budget is computed before either later gate
     decides (it is pure arithmetic), so a device refused by its backend or by
-    capacity keeps the terms it was refused on.
+    capacity keeps the terms it was refused on. ``share`` is the part of a
+    parallel layout the device runs (:mod:`.parallel`): the budget is then its
+    ranks' weights, one per-rank KV pool per rank, and the backend's terms for
+    that many rank processes.
     """
+    if share is not None:
+        manifest = replace(manifest, weight_bytes=share.weight_bytes)  # what this device loads
     owned = registry is not None and registry.owner(device) is not None
     notes: tuple[str, ...] = ()
     if not owned:
@@ -240,14 +246,17 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
     kv = estimate_kv(manifest.config, max_model_len=int(session.max_model_len or 0),
                      max_num_seqs=session.max_num_seqs, max_num_batched_tokens=session.max_num_batched_tokens,
                      kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
-                     block_size=block if isinstance(block, int) else None)
-    terms = core_reservations(device, manifest, session, kv)
+                     block_size=block if isinstance(block, int) else None,
+                     tp_size=share.layout.tp if share else 1, layer_range=share.layers if share else None,
+                     concurrent_batches=share.layout.pp if share else 1)
+    terms = core_reservations(device, manifest, session, kv, share)
     gated: list[Refusal] = []
     if registry is not None and owned:
-        terms += registry.call_owner(device, "reserve_memory", manifest=manifest, session=session, host=host) or []
+        terms += registry.call_owner(device, "reserve_memory", manifest=manifest, session=session, host=host,
+                                     share=share) or []
         # gate_plan judges the usage terms; headroom is the core's admission policy, added after it.
         gated = registry.call_owner(device, "gate_plan", manifest=manifest, session=session, host=host,
-                                    reservations=terms) or []
+                                    reservations=terms, share=share) or []
     predicted = combine(terms, device.memory_pool).predicted_bytes
     terms = terms + headroom_reservations(device, predicted)  # a new list: gate_plan was handed the old one
     total = combine(terms, device.memory_pool)

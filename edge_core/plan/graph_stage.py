@@ -7,10 +7,11 @@ execute graphs through the gates *reachable* (a device that exists but no
 interpreter here drives it is ``device_unreachable_from_this_process``, naming
 the route and interpreter that would), *format* (the graph's scheme against
 the formats of the route that resolved), the backend's own gates, and
-*capacity* from the host ledger (:mod:`.ledger`). Whether the stage then
-really ran on its device, and with the right numbers, is measured after its
-first run (:mod:`edge_core.runtime.graph_run`); the thresholds it is judged by
-are decided here and travel in ``plan.stage``.
+*capacity*: the host pool, less what the live edge sessions and stages on this
+host hold and it does not show yet (the host-wide ledger, :mod:`.ledger`).
+Whether the stage then really ran on its device, and with the right numbers,
+is measured after its first run (:mod:`edge_core.runtime.graph_run`); the
+thresholds it is judged by are decided here and travel in ``plan.stage``.
 
 ``onnx`` is imported only to read a graph's inputs and metadata.
 """
@@ -26,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 from ..budget import MIB, Reservation
 from ..budget import peak as combine
 from ..errors import UsageError
+from ..host_ledger import HOST_POOL, LedgerView, read_ledger
 from ..registry import install_hint
 from ..routes import INTERPRETER_NAMES, resolved_of, statuses_of
 from .capacity import capacity_of
 from .checkpoint import candidate_order
-from .ledger import HOST_LEDGER, HostLedger
+from .ledger import check_committed, holder_dicts, with_holders
 from .remedies import format_refusal
 from .terms import headroom_reservations
 from .types import STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
@@ -215,41 +217,38 @@ def unreachable_refusal(device: Device) -> Refusal:
     )
 
 
-def stage_capacity_refusal(device: Device, peak: Peak, capacity: int, how: str, ledger: HostLedger) -> Refusal:
-    admitted = ledger.entries()
-    held = sum(e.bytes for e in admitted)
-    free = max(capacity - held, 0)
-    if admitted and peak.admission_bytes <= capacity:
-        names = ", ".join(f"{e.entry_id} ({e.bytes / MIB:,.0f} MiB)" for e in admitted)
-        remedy = (f"the stage alone fits: release what is admitted on the host pool ({names}) or run the stage "
-                  "after it; or use a smaller stage (export fewer layers)")
-    else:
-        remedy = "use a smaller stage (export fewer layers, or a quantized graph), or a machine with more RAM"
+def stage_capacity_refusal(device: Device, peak: Peak, capacity: int, how: str) -> Refusal:
+    """``budget_exceeds_device``: the stage does not fit the host pool even with nothing else admitted."""
     return Refusal(
         code="budget_exceeds_device", device_id=device.device_id,
         message=(f"the stage needs {peak.admission_bytes / MIB:,.0f} MiB (predicted peak "
                  f"{peak.predicted_bytes / MIB:,.0f} MiB + headroom {peak.headroom_bytes / MIB:,.0f} MiB) of the "
-                 f"host pool {device.device_id} draws on; {held / MIB:,.0f} MiB of its {capacity / MIB:,.0f} MiB "
-                 f"({how}) are admitted to others, leaving {free / MIB:,.0f} MiB"),
-        remedy=remedy,
-        details={"needed_bytes": peak.admission_bytes, "capacity_bytes": capacity, "admitted_bytes": held,
-                 "free_bytes": free, "admitted": [e.to_dict() for e in admitted]},
+                 f"host pool {device.device_id} draws on, which has {capacity / MIB:,.0f} MiB ({how})"),
+        remedy="use a smaller stage (export fewer layers, or a quantized graph), or a machine with more RAM",
+        details={"needed_bytes": peak.admission_bytes, "capacity_bytes": capacity},
     )
+
+
+def host_pool_doc(capacity: int | None, how: str, ledger: LedgerView) -> dict[str, Any]:
+    """``plan.stage["host_pool"]``: the capacity the stage was admitted against, and who else held the pool."""
+    return {"capacity_bytes": capacity, "how": how, "committed_bytes": ledger.committed_bytes(HOST_POOL),
+            "holders": holder_dicts(ledger.holders(HOST_POOL), HOST_POOL), "ledger_dir": ledger.directory}
 
 
 def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFacts | None,
                      registry: Registry | None = None,
                      devices_source: str = "probed", session: SessionSpec | None = None,
-                     ledger: HostLedger | None = None, placement_threshold: float | None = None,
+                     ledger: LedgerView | None = None, placement_threshold: float | None = None,
                      numeric_tolerance: float | None = None) -> Plan:
     """Plan one exported-graph stage: the first graph-executing device that passes every gate.
 
-    ``ledger`` (default :data:`HOST_LEDGER`) holds what is already admitted on
-    the host pool. ``placement_threshold`` and ``numeric_tolerance`` override
-    the defaults for this stage; both travel in ``plan.stage`` to the run.
+    ``ledger`` is what the live edge sessions and stages on this host hold;
+    by default it is read here (:func:`~edge_core.host_ledger.read_ledger`),
+    and ``LedgerView()`` plans as if nothing else held memory.
+    ``placement_threshold`` and ``numeric_tolerance`` override the defaults
+    for this stage; both travel in ``plan.stage`` to the run.
     """
     session = session or SessionSpec()
-    ledger = HOST_LEDGER if ledger is None else ledger
     threshold = DEFAULT_PLACEMENT_THRESHOLD if placement_threshold is None else float(placement_threshold)
     if not 0.0 < threshold <= 1.0:
         raise UsageError(f"the placement threshold is a share of nodes and time in (0, 1], not {threshold}")
@@ -272,6 +271,14 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
     tolerance = NUMERIC_TOLERANCE.get(manifest.weight_format, DEFAULT_NUMERIC_TOLERANCE) \
         if numeric_tolerance is None else float(numeric_tolerance)
     notes: list[str] = []
+    if ledger is None:
+        try:
+            ledger = read_ledger()
+        except UsageError as exc:  # an untrusted ledger directory: planned as `edge plan` does, with a note
+            notes.append(f"{exc}; planned without the other sessions' reservations")
+            ledger = LedgerView()
+        else:
+            notes.extend(f"session ledger: {warning}" for warning in ledger.warnings)
     verdicts: list[DeviceVerdict] = []
     fallbacks: list[dict[str, Any]] = []
     all_refusals: list[Refusal] = []
@@ -307,9 +314,9 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
         gated: list[Refusal] = []
         if registry is not None and owned:
             terms += registry.call_owner(device, "reserve_memory", manifest=manifest, session=session,
-                                         host=host) or []
+                                         host=host, share=None) or []
             gated = registry.call_owner(device, "gate_plan", manifest=manifest, session=session, host=host,
-                                        reservations=terms) or []
+                                        reservations=terms, share=None) or []
         # The budget is pure arithmetic: computed before the backend's verdict counts, so a
         # refused device keeps the terms it was refused on (a new list: gate_plan has the old one).
         terms = terms + headroom_reservations(device, combine(terms, device.memory_pool).predicted_bytes)
@@ -324,11 +331,17 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
         if capacity is None:
             notes.append(f"{device.device_id}: host capacity unknown (a device list without host facts or a CPU "
                          "row); capacity not checked")
-        elif device.memory_pool == "host_ram" and total.admission_bytes + ledger.admitted_bytes > capacity:
-            refusal = stage_capacity_refusal(device, total, capacity, how, ledger)
-            verdicts.append(replace(budget, refusals=(refusal,), gate="capacity"))
-            all_refusals.append(refusal)
-            continue
+        elif device.memory_pool == HOST_POOL:
+            # The checkpoint planner's rule: too big for the pool alone, or only without what others hold unseen.
+            if total.admission_bytes > capacity:
+                pool_refusals = with_holders([stage_capacity_refusal(device, total, capacity, how)], HOST_POOL, ledger)
+            else:
+                committed = check_committed(device, total.admission_bytes, capacity, ledger)
+                pool_refusals = (committed,) if committed is not None else ()
+            if pool_refusals:
+                verdicts.append(replace(budget, refusals=pool_refusals, gate="capacity"))
+                all_refusals.extend(pool_refusals)
+                continue
         if selected is None:
             selected = (device, terms, total, capacity, how)
             verdicts.append(replace(budget, selected=True))
@@ -367,7 +380,7 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
         "sample_dims": facts.sample_dims(),
         "inputs": [{"name": n, "elem_type": e, "dims": list(s)} for n, e, s in facts.inputs],
         "outputs": [{"name": n, "elem_type": e, "dims": list(s)} for n, e, s in facts.outputs],
-        "host_pool": {"capacity_bytes": capacity, "how": how, **ledger.to_dict()},
+        "host_pool": host_pool_doc(capacity, how, ledger),
     }
     return GraphStagePlan(
         admitted=True, model_path=manifest.path, session=session, manifest=manifest, selected_device=device,
@@ -375,4 +388,3 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
         fallbacks=tuple(fallbacks), verdicts=tuple(verdicts), devices_source=devices_source, notes=tuple(notes),
         stage=stage,
     )
-

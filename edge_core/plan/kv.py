@@ -25,7 +25,7 @@ rule: the longest context whose charge fits a byte budget.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..artifact.config import (
@@ -252,6 +252,10 @@ class KVEstimate:
     ssm_state_dtype_bytes: int = 0
     mamba_cache_mode: str | None = None
     state_blocks_per_request: int = 0
+    #: The rank this estimate is for (:func:`rank_layout`): 1 and None for a whole model on one device.
+    tp_size: int = 1
+    layer_range: tuple[int, int] | None = None
+    concurrent_batches: int = 1
 
     @property
     def tokens(self) -> int:
@@ -285,6 +289,9 @@ class KVEstimate:
             "recurrent_state_bytes": self.recurrent_state_bytes,
             "evidence": self.evidence,
             "rules": dict(self.rules),
+            "tp_size": self.tp_size,
+            "layer_range": list(self.layer_range) if self.layer_range is not None else None,
+            "concurrent_batches": self.concurrent_batches,
         }
 
 
@@ -648,6 +655,32 @@ def kv_layout(config: Mapping[str, Any]) -> KVLayout:
     return KVLayout(tuple(layers), kv_heads, head_dim, mla, source, evidence, tuple(notes))
 
 
+def rank_layout(layout: KVLayout, tp_size: int = 1, layer_range: tuple[int, int] | None = None) -> KVLayout:
+    """The part of ``layout`` one tensor/pipeline-parallel rank caches.
+
+    vLLM splits KV heads across ``tp_size`` ranks (``num_kv_heads // tp``) and
+    replicates them when there are fewer heads than ranks (one head per
+    rank); MLA's latent is one shared vector per token, which tensor
+    parallelism does not split. Recurrent state is charged whole per rank
+    (an over-estimate: vLLM splits Mamba heads too, but the split rule differs
+    by mixer). A pipeline stage caches only its layers, ``layer_range`` =
+    ``[start, end)`` as vLLM's ``get_pp_indices`` gives them.
+    """
+    layers = layout.layers
+    if layer_range is not None:
+        start, end = layer_range
+        layers = tuple(l for l in layers if start <= l.index < end)
+    kv_heads = layout.num_kv_heads
+    if tp_size > 1 and not layout.mla and kv_heads:
+        per_rank = max(1, kv_heads // tp_size)
+        layers = tuple(replace(l, elements_per_token=l.elements_per_token * per_rank // kv_heads)
+                       if l.attention else l for l in layers)
+        kv_heads = per_rank
+    if layers is layout.layers and kv_heads == layout.num_kv_heads:
+        return layout
+    return replace(layout, layers=layers, num_kv_heads=kv_heads)
+
+
 # ----------------------------------------------------------------------- charge
 
 def _dtype_bytes(name: str, what: str) -> int:
@@ -881,7 +914,8 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
                 concurrent_batches: int = 1, mamba_cache_dtype: str = "auto",
                 mamba_ssm_cache_dtype: str = DEFAULT_MAMBA_SSM_CACHE_DTYPE,
                 enable_prefix_caching: bool | None = None,
-                kernel_block_tokens: int = CPU_ATTN_KERNEL_BLOCK_TOKENS) -> KVEstimate:
+                kernel_block_tokens: int = CPU_ATTN_KERNEL_BLOCK_TOKENS, tp_size: int = 1,
+                layer_range: tuple[int, int] | None = None) -> KVEstimate:
     """Charge a session's KV cache three ways (see the module docstring).
 
     ``kv_dtype`` ``auto`` stores KV in ``model_dtype``; fp8 variants take one
@@ -900,10 +934,12 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
     it back gives the same answer. None charges exact tokens: no block
     rounding, no null block. ``enable_prefix_caching`` None is vLLM's default
     (on, except for attention-free models); with it a recurrent layer holds
-    ``align``-mode state blocks.
+    ``align``-mode state blocks. ``tp_size`` and ``layer_range`` charge one
+    rank of a parallel layout (:func:`rank_layout`); vLLM's
+    ``kv_cache_memory_bytes`` is per rank.
     """
     _positive(max_model_len, "max_model_len")
-    layout = kv_layout(config)
+    layout = rank_layout(kv_layout(config), tp_size, layer_range)
     resolved, s = _session(layout, kv_dtype, model_dtype, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                            concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
@@ -946,7 +982,8 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
         bytes_by_layer_type=figures["by_layer_type"], bytes_vllm=figures["vllm"],
         recurrent_state_bytes=recurrent, evidence=layout.evidence, rules=rules,
         base_block_size=block_size, ssm_state_dtype_bytes=s.ssm_bytes, mamba_cache_mode=s.mamba_cache_mode,
-        state_blocks_per_request=blocks)
+        state_blocks_per_request=blocks, tp_size=tp_size, layer_range=layer_range,
+        concurrent_batches=concurrent_batches)
 
 
 def max_model_len_for(config: Mapping[str, Any], budget_bytes: int, *, max_num_seqs: int = 1,
@@ -956,7 +993,8 @@ def max_model_len_for(config: Mapping[str, Any], budget_bytes: int, *, max_num_s
                       ceiling_tokens: int | None = None, mamba_cache_dtype: str = "auto",
                       mamba_ssm_cache_dtype: str = DEFAULT_MAMBA_SSM_CACHE_DTYPE,
                       enable_prefix_caching: bool | None = None,
-                      kernel_block_tokens: int = CPU_ATTN_KERNEL_BLOCK_TOKENS) -> int:
+                      kernel_block_tokens: int = CPU_ATTN_KERNEL_BLOCK_TOKENS, tp_size: int = 1,
+                      layer_range: tuple[int, int] | None = None) -> int:
     """The largest ``max_model_len`` whose KV charge under ``rule`` fits ``budget_bytes``.
 
     0 when not even one token fits. The answer is capped at ``ceiling_tokens``
@@ -968,7 +1006,7 @@ def max_model_len_for(config: Mapping[str, Any], budget_bytes: int, *, max_num_s
     _check_rule(rule)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise UsageError(f"budget_bytes must be an integer, got {budget_bytes!r}")
-    layout = kv_layout(config)
+    layout = rank_layout(kv_layout(config), tp_size, layer_range)
     _, s = _session(layout, kv_dtype, model_dtype, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,

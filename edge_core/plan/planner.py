@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..artifact import read_manifest
@@ -20,7 +21,8 @@ from ..errors import ArtifactError, UsageError
 from ..host import HostFacts
 from ..registry import Registry
 from .checkpoint import plan_checkpoint
-from .types import Plan, Refusal, SessionSpec
+from .parallel import ParallelRequest, plan_parallel
+from .types import GraphStagePlan, Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
     from ..devices import Device
@@ -29,14 +31,22 @@ if TYPE_CHECKING:
 
 def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
               registry: Registry | None = None, devices_source: str = "probed", digest_weights: bool = False,
-              revision: str | None = None, ledger: LedgerView | None = None) -> Plan:
+              revision: str | None = None, ledger: LedgerView | None = None,
+              parallel: ParallelRequest | None = None, hosts: Mapping[str, HostFacts | None] | None = None) -> Plan:
     """Read ``model_path`` without loading a weight and plan it: admitted, or refused with reasons.
 
     ``model_path`` is a directory, an ONNX file, or a Hub id (``org/name``, at
     ``revision``), resolved by :func:`~edge_core.artifact.hub.resolve_model`;
     the plan's ``source`` says which it was. ``ledger`` is what the other live
     edge sessions on this host hold (:func:`edge_core.host_ledger.read_ledger`).
+    ``parallel`` pins a tensor/pipeline-parallel layout or a device group
+    (:mod:`.parallel`; unpinned, one is tried only when no single device
+    fits); ``hosts`` are the host facts of other machines' device lists, by
+    the label their devices carry in ``extras["host"]``.
     """
+    request = parallel or ParallelRequest()
+    if request.device_ids:
+        devices = only_devices(devices, request.device_ids)
     try:
         source = resolve_model(str(model_path), revision)  # imports huggingface_hub for Hub ids only
     except ArtifactError as exc:
@@ -44,7 +54,21 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], h
                     refusals=(Refusal(code=exc.code, message=str(exc), remedy=exc.remedy),))
     plan = _plan_path(source.path, session=session, devices=devices, host=host, registry=registry,
                       devices_source=devices_source, digest_weights=digest_weights, ledger=ledger)
+    if plan.manifest is not None and plan.manifest.kind != "onnx" and not isinstance(plan, GraphStagePlan):
+        plan = plan_parallel(plan.manifest, plan, request=request, devices=devices, host=host, hosts=hosts,
+                             registry=registry, ledger=ledger, command_model=str(model_path))
     return replace(plan, source=source)
+
+
+def only_devices(devices: list[Device], ids: Iterable[str]) -> list[Device]:
+    """The devices ``--device-ids`` names, in the order given; an id no device has is a usage error."""
+    by_id = {d.device_id: d for d in devices}
+    wanted = list(ids)
+    unknown = [i for i in wanted if i not in by_id]
+    if unknown:
+        raise UsageError(f"--device-ids: no device is named {', '.join(unknown)}; "
+                         f"known here: {', '.join(by_id) or 'none'}")
+    return [by_id[i] for i in wanted]
 
 
 def _plan_path(model_path: str, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
@@ -80,6 +104,35 @@ def load_devices(path: str, registry: Registry, mask: frozenset[str] = frozenset
         raise UsageError(str(exc)) from None
     registry.load()
     return (HostFacts.from_dict(host_doc) if host_doc else None), apply_mask(devices, mask)
+
+
+def load_device_sets(paths: list[str], registry: Registry, mask: frozenset[str] = frozenset()
+                     ) -> tuple[HostFacts | None, list[Device], dict[str, HostFacts | None]]:
+    """Device lists captured on one or several hosts: ``(first host, every device, host facts by label)``.
+
+    With one list this is :func:`load_devices`. With several, each host's
+    devices are renamed ``LABEL/ID`` and carry ``extras["host"] = LABEL`` — the
+    host's name from its list (else the file's stem) — so a plan across hosts
+    says which machine each rank runs on. Two lists from one host (the same
+    label) are a usage error.
+    """
+    if len(paths) == 1:
+        host, devices = load_devices(paths[0], registry, mask)
+        return host, devices, {}
+    first: HostFacts | None = None
+    merged: list[Device] = []
+    hosts: dict[str, HostFacts | None] = {}
+    for path in paths:
+        host, devices = load_devices(path, registry, mask)
+        label = (host.hostname if host is not None and host.hostname else Path(path).stem)
+        if label in hosts:
+            raise UsageError(f"--devices {path}: a list for host {label!r} was already given; pass one list per host")
+        hosts[label] = host
+        first = first if first is not None else host
+        merged += [d.replace(device_id=f"{label}/{d.device_id}",
+                             extras={**(d.extras if isinstance(d.extras, dict) else {}), "host": label})
+                   for d in devices]
+    return first, merged, hosts
 
 
 def only_backend(devices: Iterable[Device], name: str | None, registry: Registry | None) -> list[Device]:

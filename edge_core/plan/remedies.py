@@ -99,7 +99,8 @@ def largest_fitting_len(manifest: Manifest, session: SessionSpec, kv: KVEstimate
         kv_bytes = estimate_kv(manifest.config, max_model_len=tokens, max_num_seqs=session.max_num_seqs,
                                max_num_batched_tokens=min(session.max_num_batched_tokens or tokens, tokens),
                                kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
-                               block_size=kv.block_size).bytes_vllm
+                               block_size=kv.block_size, tp_size=kv.tp_size, layer_range=kv.layer_range,
+                               concurrent_batches=kv.concurrent_batches).bytes_vllm
         return admission_with_kv(terms, pool, kv_bytes) <= capacity
 
     return largest_fitting(fits, int(session.max_model_len or 0))

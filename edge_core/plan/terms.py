@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..artifact import Manifest
     from ..devices import Device
     from .kv import KVEstimate
+    from .parallel import DeviceShare
     from .types import SessionSpec
 
 #: Host RAM kept free for everything that is not this session (the OS, a
@@ -31,32 +32,50 @@ SAFETY_MARGIN_FRACTION = 0.05
 ACTIVATION_ELEMENT_BYTES = 4
 
 
-def activation_bytes(config: dict[str, Any], session: SessionSpec) -> int:
-    """Working set of one forward pass (E): hidden states, MLP intermediates and fp32 logits."""
+def activation_bytes(config: dict[str, Any], session: SessionSpec, tp_size: int = 1) -> int:
+    """Working set of one forward pass (E): hidden states, MLP intermediates and fp32 logits.
+
+    Under tensor parallelism a rank holds its slice of the MLP intermediates
+    and of the logits; the hidden states are whole on every rank.
+    """
     hidden = int(config.get("hidden_size") or 0)
-    intermediate = int(config.get("intermediate_size") or 4 * hidden)
-    vocab = int(config.get("vocab_size") or 0)
+    intermediate = int(config.get("intermediate_size") or 4 * hidden) // tp_size
+    vocab = -(-int(config.get("vocab_size") or 0) // tp_size)
     tokens = session.max_num_batched_tokens or 0
     per_token = 4 * hidden + 3 * intermediate
     logits = session.max_num_seqs * vocab * 2  # logits and their softmax for the sampled positions
     return (tokens * per_token + logits) * ACTIVATION_ELEMENT_BYTES
 
 
-def core_reservations(device: Device, manifest: Manifest, session: SessionSpec, kv: KVEstimate) -> list[Reservation]:
-    """Weights (D, from the headers), the KV pool (D, vLLM's allocator rule) and activations (E)."""
+def core_reservations(device: Device, manifest: Manifest, session: SessionSpec, kv: KVEstimate,
+                      share: DeviceShare | None = None) -> list[Reservation]:
+    """Weights (D, from the headers), the KV pool (D, vLLM's allocator rule) and activations (E).
+
+    With ``share`` (ranks of a parallel layout on this device) the weights are
+    the ranks' slices, and the KV pool and activations are per rank, once for
+    each rank the device runs.
+    """
     pool = device.memory_pool
+    ranks = share.ranks_here if share is not None else 1
+    tp = share.layout.tp if share is not None else 1
+    of = f" x {ranks} ranks" if ranks > 1 else ""
+    weights_note = (f"{manifest.tensor_count} tensors, {manifest.weight_format}, summed from the safetensors headers"
+                    if share is None else
+                    f"rank{'s' if ranks > 1 else ''} {', '.join(map(str, share.ranks))} of {share.layout.label()}: "
+                    "split tensors / TP, replicated ones whole, vocabulary by padded rows, this stage's layers "
+                    "(from the safetensors headers)")
     return [
         Reservation(purpose="weights", bytes=manifest.weight_bytes, pool=pool, lifetime="session_weights",
-                    evidence="D", note=f"{manifest.tensor_count} tensors, {manifest.weight_format}, "
-                    "summed from the safetensors headers"),
-        Reservation(purpose="kv_cache", bytes=kv.bytes_vllm, pool=pool, lifetime="session", evidence="D",
+                    evidence="D", note=weights_note),
+        Reservation(purpose="kv_cache", bytes=kv.bytes_vllm * ranks, pool=pool, lifetime="session", evidence="D",
                     note=f"{kv.max_model_len} tokens x {kv.max_num_seqs} seq, {kv.kv_dtype} "
                     f"({kv.kv_dtype_bytes} B/elem), vLLM allocator rule, block {kv.block_size}; "
-                    "pre-allocated at engine start"),
-        Reservation(purpose="activations", bytes=activation_bytes(manifest.config, session), pool=pool,
+                    f"pre-allocated at engine start{of}"
+                    + (f" (per rank: kv_cache_memory_bytes {kv.bytes_vllm})" if share is not None else "")),
+        Reservation(purpose="activations", bytes=activation_bytes(manifest.config, session, tp) * ranks, pool=pool,
                     lifetime="request", evidence="E",
                     note=f"{session.max_num_batched_tokens} batched tokens of hidden + MLP state and fp32 "
-                    "logits per forward pass"),
+                    f"logits per forward pass{of}"),
     ]
 
 

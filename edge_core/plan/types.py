@@ -44,6 +44,8 @@ REFUSAL_CODES = (
     "disk_space_insufficient",
     # Another live edge session on this host holds the bytes (edge_core/host_ledger.py):
     "device_committed",
+    # A tensor/pipeline-parallel layout vLLM would reject (edge_core/plan/parallel.py):
+    "parallel_layout_invalid",
 )
 
 #: Device kinds that take single exported stages, never a whole decode session.
@@ -188,6 +190,9 @@ class Plan:
     notes: tuple[str, ...] = ()
     #: Where the model came from (a local path, the Hugging Face cache, the Hub's headers).
     source: ModelSource | None = None
+    #: A plan across several ranks (:mod:`.parallel`): the layout, each rank's device and bytes, the
+    #: environment the engine needs; None for one device. ``reservations`` and ``peak`` are then rank 0's device's.
+    parallel: dict[str, Any] | None = None
 
     @property
     def backend(self) -> str | None:
@@ -224,6 +229,7 @@ class Plan:
             "devices": [v.to_dict() for v in self.verdicts],
             "manifest": self.manifest.to_dict() if self.manifest is not None else None,
             "notes": list(self.notes),
+            "parallel": dict(self.parallel) if self.parallel is not None else None,
         }
 
 

@@ -32,7 +32,7 @@ from .env import apply_runtime_env
 from .logs import EngineLog
 from .processes import OwnProcessGroup, children, reap
 from .session import TerminationAsInterrupt
-from .vllm_stage import engine_failure_detail, pin_cuda_device
+from .vllm_stage import engine_failure_detail, pin_plan_devices
 
 if TYPE_CHECKING:
     from ..devices import Device
@@ -69,7 +69,7 @@ class VllmServer:
         if threading.current_thread() is not threading.main_thread():
             raise StageError("edge serve runs the server in the main thread (it owns SIGINT and SIGTERM)")
         apply_runtime_env()
-        pin_cuda_device(self.device)
+        pin_plan_devices(self.plan, self.device)
         engine_log = EngineLog.from_environ()
         engine_log.route_runtime_logging()  # before vLLM is imported
         before = set(children())

@@ -526,6 +526,27 @@ def pin_cuda_device(device: Device, environ: MutableMapping[str, str] | None = N
     return {"device_id": device.device_id, "set": {k: env.get(k) for k in previous}, "previous": previous}
 
 
+def pin_plan_devices(plan: Plan, device: Device, environ: MutableMapping[str, str] | None = None
+                     ) -> dict[str, Any] | None:
+    """Set what the plan's devices need before vLLM starts; return what was set (None when nothing).
+
+    One device: :func:`pin_cuda_device`. A parallel plan carries its own
+    environment (``plan.parallel["env"]``): the visible cards of its group, or
+    vLLM CPU's one thread-binding list per rank (``VLLM_CPU_OMP_THREADS_BIND``,
+    e.g. ``0|1``; vLLM's default binding asserts on a host without NUMA
+    nodes). The engine core and its workers are spawned after this, so every
+    rank inherits it.
+    """
+    if not plan.parallel:
+        return pin_cuda_device(device, environ)
+    env = os.environ if environ is None else environ
+    wanted = {str(k): str(v) for k, v in (plan.parallel.get("env") or {}).items()}
+    previous = {name: env.get(name) for name in wanted}
+    env.update(wanted)
+    return {"device_id": device.device_id, "set": wanted, "previous": previous,
+            "layout": plan.parallel.get("label")}
+
+
 def prepare_node_for(plan: Plan, node_id: int | None, progress: Callable[[str], None] | None = None) -> NodePrep:
     """Make NUMA node ``node_id`` able to hold ``plan``'s KV pool before vLLM CPU checks it (see :mod:`.numa`).
 
@@ -568,7 +589,7 @@ def start(device: Device, plan: Plan) -> VllmStage:
             "a stage runs where its plan was admitted"
         )
     env = apply_runtime_env()
-    device_pin = pin_cuda_device(device)
+    device_pin = pin_plan_devices(plan, device)
     engine_log = EngineLog.from_environ()
     engine_log.route_runtime_logging()  # before vLLM is imported: its loggers read the config at import
 
@@ -697,7 +718,7 @@ def plain_token_ids(device: Device, plan: Plan, prompts: list[str], max_tokens: 
     import gc
 
     env = apply_runtime_env()
-    pin_cuda_device(device)
+    pin_plan_devices(plan, device)
     engine_log = EngineLog.from_environ()
     engine_log.route_runtime_logging()
     before = set(children())

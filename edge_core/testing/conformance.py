@@ -413,7 +413,7 @@ class BackendConformance:
         session = SessionSpec(max_model_len=self.stage_max_model_len, max_num_batched_tokens=self.stage_max_model_len)
         host = self._host()
         args = {"manifest": manifest, "session": session, "host": host, "reservations": [],
-                "weight_format": "compressed-tensors:int8"}
+                "weight_format": "compressed-tensors:int8", "share": None}
         caller = getattr(registry.pm.hook, hook)
         for foreign in _foreign_devices():
             kwargs = {name: args[name] for name in caller.spec.argnames if name != "device"}
@@ -450,7 +450,8 @@ class BackendConformance:
         session = resolve_session(manifest, SessionSpec(max_model_len=self.stage_max_model_len))
         host = self._host()
         for device in devices:
-            terms = registry.call_owner(device, "reserve_memory", manifest=manifest, session=session, host=host)
+            terms = registry.call_owner(device, "reserve_memory", manifest=manifest, session=session, host=host,
+                                        share=None)
             assert terms is None or isinstance(terms, list), f"reserve_memory returned {type(terms).__name__}"
             for term in terms or []:
                 where = f"plugin {self._name()!r} reserve_memory({device.device_id}) term {getattr(term, 'purpose', term)!r}"
@@ -465,7 +466,8 @@ class BackendConformance:
                 assert term.purpose not in CORE_PURPOSES, (
                     f"{where}: the core already reserves {term.purpose!r}; the same bytes would count twice"
                 )
-            again = registry.call_owner(device, "reserve_memory", manifest=manifest, session=session, host=host)
+            again = registry.call_owner(device, "reserve_memory", manifest=manifest, session=session, host=host,
+                                        share=None)
             assert again == terms, "reserve_memory gave different terms for the same plan twice"
 
     @pytest.mark.slow

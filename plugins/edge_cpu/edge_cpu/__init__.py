@@ -9,7 +9,7 @@ stage runtime (imported only when a stage starts).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_core import Device, HostFacts, hookimpl
 from edge_core.vllm_hooks import (  # stages and servers run on vLLM
@@ -22,6 +22,9 @@ from edge_core.vllm_hooks import (  # stages and servers run on vLLM
 )
 
 from . import _gates, _memory, _probe, _schemes, _vllm_support
+
+if TYPE_CHECKING:
+    from edge_core.plan.parallel import DeviceShare
 
 __all__ = [
     "EDGE_API_VERSION",
@@ -70,18 +73,25 @@ def format_remedy(device: Device, weight_format: str) -> str | None:
 
 @hookimpl
 def gate_plan(
-    device: Device, manifest: Any, session: Any, host: HostFacts, reservations: list[Any]
+    device: Device,
+    manifest: Any,
+    session: Any,
+    host: HostFacts,
+    reservations: list[Any],
+    share: DeviceShare | None,
 ) -> list[Any] | None:
     if not _owns(device):
         return None
-    return _gates.gate(device, manifest, session, host, reservations)
+    return _gates.gate(device, manifest, session, host, reservations, share=share)
 
 
 @hookimpl
-def reserve_memory(device: Device, manifest: Any, session: Any, host: HostFacts) -> list[Any] | None:
+def reserve_memory(
+    device: Device, manifest: Any, session: Any, host: HostFacts, share: DeviceShare | None
+) -> list[Any] | None:
     if not _owns(device):
         return None
-    return _memory.reservations(manifest, session, host)
+    return _memory.reservations(manifest, session, host, share)
 
 
 @hookimpl

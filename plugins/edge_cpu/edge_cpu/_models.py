@@ -1,6 +1,6 @@
 """Does the installed vLLM have a model class for this checkpoint, and can this interpreter run it?
 
-Two refusals before load, both decided from files and installed metadata,
+Three refusals before load, all decided from files and installed metadata,
 never an import:
 
 * an architecture vLLM's model registry does not name (and that its
@@ -11,7 +11,10 @@ never an import:
   for PyPI's torch, which does not import beside ``torch 2.13.0+cpu``
   (``operator torchvision::nms does not exist``), so edge's quickstart and
   nox remove it; vLLM then fails with ``ModuleNotFoundError: No module named
-  'torchvision'`` (measured with Qwen2.5-VL, Gemma-3 4B, Mistral-Small-3.1).
+  'torchvision'`` (measured with Qwen2.5-VL, Gemma-3 4B, Mistral-Small-3.1);
+* a pipeline-parallel layout of a model whose vLLM class does not implement
+  ``SupportsPP`` fails at engine start with :data:`PP_UNSUPPORTED_ERROR`
+  (``ModelConfig.verify_with_parallel_config``).
 """
 
 from __future__ import annotations
@@ -20,14 +23,20 @@ import ast
 import functools
 import importlib.metadata as metadata
 import importlib.util
+import logging
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_core.devices import Device
 from edge_core.plan import Refusal
 
-from ._vllm_support import MODEL_REGISTRY, VllmSource
+from ._vllm_support import MODEL_REGISTRY, PP_INTERFACE, VllmSource, pp_support
+
+if TYPE_CHECKING:
+    from edge_core.plan.parallel import DeviceShare
+
+log = logging.getLogger(__name__)
 
 #: torchvision 0.(N + 15) is the release built for torch 2.N (torchvision's compatibility
 #: table: 0.15 for 2.0 ... 0.28 for 2.13; PyPI lists 0.28.0 and 0.29.x beside torch 2.13/2.14).
@@ -36,6 +45,10 @@ TORCHVISION_MINOR_OFFSET = 15
 PYTORCH_INDEX = "https://download.pytorch.org/whl/{variant}"
 #: transformers' auto-class tables; vLLM's Transformers backend can load an architecture they name.
 TRANSFORMERS_AUTO = "models/auto/modeling_auto.py"
+
+#: What vLLM raises for ``pipeline_parallel_size > 1`` on a model class without ``SupportsPP`` (config/model.py).
+PP_UNSUPPORTED_ERROR = ("NotImplementedError: Pipeline parallelism is not supported for this model. "
+                        "Supported models implement the `SupportsPP` interface.")
 
 _TORCH_PIN = re.compile(r"^torch\s*\(?\s*==\s*([^\s;,)]+)")
 
@@ -201,4 +214,39 @@ def multimodal_refusals(src: VllmSource, device: Device, manifest: Any,
         remedy=(f"install the torchvision built for torch {torch_version}: {install}; or plan a text-only "
                 "checkpoint of this model"),
         details={"architecture": arch, "multimodal": True, "vision_stack": problem, "install": install},
+    )]
+
+
+def pipeline_refusals(src: VllmSource, device: Device, manifest: Any, share: DeviceShare | None) -> list[Refusal]:
+    """A pipeline-parallel layout of a model whose vLLM class lacks ``SupportsPP`` (may be empty).
+
+    Asked only when ``share.layout.pp > 1``; the class's module is read then
+    (:func:`._vllm_support.pp_support`). A class that could not be read, or an
+    architecture only vLLM's Transformers fallback would serve, is not grounds
+    to refuse: the reason goes to the debug log.
+    """
+    if share is None or share.layout.pp <= 1:
+        return []
+    arch = next((a for a in _architectures(manifest) if src.models and a in src.models), None)
+    if arch is None:
+        log.debug("pipeline parallelism not checked: %s's registry names none of %s",
+                  src.label, _architectures(manifest))
+        return []
+    found = pp_support(src, arch)
+    if found.supported is not False:
+        if found.supported is None:
+            log.debug("pipeline parallelism of %s not checked: %s", arch, found.where)
+        return []
+    layout = share.layout
+    return [Refusal(
+        code="parallel_layout_invalid", device_id=device.device_id,
+        message=(f"pipeline parallel size {layout.pp}: {src.label}'s model class for {arch} "
+                 f"({found.class_name}, module {found.module}) does not implement {PP_INTERFACE} "
+                 f"({found.where}); vLLM would fail at engine start ({PP_UNSUPPORTED_ERROR!r})"),
+        remedy=(f"use tensor parallelism only: --tensor-parallel-size {layout.world_size} --pipeline-parallel-size 1 "
+                "(the plan lists the sizes the model's heads and vocabulary divide by if that one does not), or a "
+                f"model whose vLLM class implements {PP_INTERFACE}"),
+        details={"dimension": "pipeline_support", "pipeline_parallel_size": layout.pp,
+                 "architecture": arch, "model_class": found.class_name, "module": found.module,
+                 "vllm": src.label, "vllm_source": found.where},
     )]

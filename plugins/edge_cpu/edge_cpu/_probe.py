@@ -74,6 +74,8 @@ def probe(host: HostFacts) -> list[Device]:
         "numa_nodes": len(host.numa_nodes),
         "cgroup_limit_bytes": host.cgroup_limit_bytes,
         "kv_block_size": KV_BLOCK_SIZE,
+        # vLLM CPU runs tensor/pipeline-parallel ranks on this one device, each bound to its own cores.
+        "parallel": "vllm",
     }
     if build is not None:
         extras["runtime"] = f"{build.distribution} {build.version}"

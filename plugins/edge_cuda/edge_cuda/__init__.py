@@ -77,10 +77,10 @@ def format_remedy(device: Any, weight_format: str) -> str | None:
 
 
 @hookimpl
-def reserve_memory(device: Any, manifest: Any, session: Any, host: Any) -> list | None:
+def reserve_memory(device: Any, manifest: Any, session: Any, host: Any, share: Any) -> list | None:
     if not _capability.owns(device):
         return None
-    return _memory.reservations(session)
+    return _memory.reservations(session, share)
 
 
 @hookimpl

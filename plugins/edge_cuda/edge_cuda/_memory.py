@@ -17,7 +17,13 @@ CUDA_CONTEXT_BYTES = 600 << 20
 GRAPH_POOL_BYTES = 1 << 30
 
 
-def reservations(session: Any) -> list[Reservation]:
+#: VRAM NCCL and vLLM's custom all-reduce hold per rank once a session spans several GPUs: NCCL's
+#: communicator buffers (NCCL_BUFFSIZE 4 MiB per channel and peer) plus vLLM's custom all-reduce and
+#: its registered graph buffers; users report 0.3-0.6 GiB per rank in nvidia-smi. Estimate, class E.
+COLLECTIVE_BUFFER_BYTES = 512 << 20
+
+
+def reservations(session: Any, share: Any = None) -> list[Reservation]:
     terms = [
         Reservation(purpose="cuda_context", bytes=CUDA_CONTEXT_BYTES, pool="vram", lifetime="session",
                     evidence="E", held_during_load=True,
@@ -26,4 +32,8 @@ def reservations(session: Any) -> list[Reservation]:
     if not getattr(session, "enforce_eager", True):
         terms.append(Reservation(purpose="graph_pool", bytes=GRAPH_POOL_BYTES, pool="vram", lifetime="session",
                                  evidence="E", note="CUDA graph capture pool (enforce_eager=False)"))
+    if share is not None and share.layout.world_size > 1:
+        terms.append(Reservation(purpose="collective_buffers", bytes=COLLECTIVE_BUFFER_BYTES, pool="vram",
+                                 lifetime="session", evidence="E", held_during_load=True,
+                                 note=f"NCCL communicators and vLLM's custom all-reduce of {share.layout.label()}"))
     return terms

@@ -185,6 +185,11 @@ def _device(
         extras["pci_bus_id"] = None
     sm = int(major) * 10 + int(minor)
     reason = runtime_reason
+    build, _ = builds.vllm_build_for("cuda")
+    if build is not None:
+        extras["runtime"] = f"{build.distribution} {build.version}"
+    # vLLM's executors split a session over several like cards (tensor / pipeline parallel).
+    extras["parallel"] = "vllm"
     if sm < MIN_SM:
         reason = (
             f"{name} is sm_{sm}; vLLM's CUDA build needs SM >= {MIN_SM / 10:.1f}: "

@@ -363,9 +363,9 @@ def test_hook_reserve_memory_holds_the_context_always_and_the_graph_pool_only_wh
 
     (device,), _ = probe([H100])
     eager = edge_cuda.reserve_memory(device=device, manifest=None, session=SimpleNamespace(enforce_eager=True),
-                                     host=None)
+                                     host=None, share=None)
     graphs = edge_cuda.reserve_memory(device=device, manifest=None, session=SimpleNamespace(enforce_eager=False),
-                                      host=None)
+                                      host=None, share=None)
     assert [t.purpose for t in eager] == ["cuda_context"]
     assert [t.purpose for t in graphs] == ["cuda_context", "graph_pool"]
     assert all(t.pool == "vram" and t.evidence == "E" for t in graphs)
@@ -395,3 +395,16 @@ def test_memory_counter_without_a_driver_is_none_not_a_crash():
 
     (device,), _ = probe([H100])
     assert _counter.nvml_counter(device, nvml=fake_nvml([H100], init_error="Driver Not Loaded")) is None
+
+
+def test_a_parallel_rank_reserves_collective_buffers():
+    from edge_core import SessionSpec
+    from edge_core.plan.parallel import DeviceShare, Layout
+    from edge_cuda import _memory
+
+    alone = _memory.reservations(SessionSpec())
+    share = DeviceShare(layout=Layout(tp=4), ranks=(1,), weight_bytes=1, rank_weight_bytes=1, layers=(0, 80),
+                        pp_rank=0)
+    ranked = _memory.reservations(SessionSpec(), share)
+    assert [t.purpose for t in ranked] == [t.purpose for t in alone] + ["collective_buffers"]
+    assert ranked[-1].bytes == _memory.COLLECTIVE_BUFFER_BYTES and ranked[-1].held_during_load

@@ -1,0 +1,776 @@
+"""Can it run across several devices — tensor- and pipeline-parallel on vLLM — and with how many bytes per rank?
+
+When no single device takes the session (or the user pins a layout), the
+planner tries groups of like devices: the same backend, kind, model and
+memory (vLLM's tensor parallelism assumes identical ranks), on one host
+first, then across hosts on vLLM's Ray path. The smallest group that fits
+wins (fewest devices), tensor parallel before pipeline parallel.
+
+Everything vLLM checks late is decided here first, as ``parallel_layout_invalid``
+refusals naming the dimension, the values and the sizes that would work:
+attention heads (config time in vLLM), KV heads, the padded vocabulary, MLP
+and quantization-group divisibility (inside each worker, after processes
+have spawned), layers per pipeline stage. Each rank then gets its own budget:
+its slice of every tensor (split ones / k, replicated ones whole, the
+vocabulary-parallel embedding and LM head by padded rows; a pipeline stage
+holds its layers, the first the embedding, the last the head) and its own KV
+pool (vLLM's ``kv_cache_memory_bytes`` is per rank). A layout is admitted
+only when every rank fits its device.
+
+Expected per-rank figures in the tests come from the architecture formulas,
+never from this module.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint import DeviceOutcome, engine_kwargs_for, plan_on_device
+from .types import STAGE_ONLY_KINDS, Refusal
+
+if TYPE_CHECKING:
+    from ..artifact import Manifest
+    from ..devices import Device
+    from ..host import HostFacts
+    from ..host_ledger import LedgerView
+    from ..registry import Registry
+    from .types import Plan, SessionSpec
+
+#: vLLM pads the vocabulary to a multiple of this before splitting it across
+#: ranks (``DEFAULT_VOCAB_PADDING_SIZE``, model_executor/layers/vocab_parallel_embedding.py).
+VOCAB_PADDING_SIZE = 64
+#: Largest tensor-parallel size a refusal lists as an alternative.
+MAX_LISTED_TP = 16
+#: vLLM's executor backends: processes on one host, Ray across hosts.
+EXECUTOR_ONE_HOST = "mp"
+EXECUTOR_MULTI_HOST = "ray"
+#: Ray's default GCS port, the one ``ray start --head`` listens on.
+RAY_HEAD_PORT = 6379
+
+#: A decoder layer's index in a tensor name (``model.layers.12.``, ``transformer.h.3.``, ``backbone.layers.0.``).
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+#: Tensors of a vision tower or projector (multimodal wrappers): held by the first stage, split by TP.
+_VISION = ("visual.", "vision_tower", "vision_model", "multi_modal_projector", "mm_projector", "vision_embed")
+_EMBED = ("embed_tokens.", "wte.", "word_embeddings.", "tok_embeddings.", "embeddings.word")
+#: Modules vLLM builds as ``ReplicatedLinear`` or keeps whole on every rank: norms, a MoE router,
+#: MLA's low-rank down-projections (its latent is shared by every head).
+_REPLICATED = ("norm", "ln_", ".mlp.gate.", ".router.", "e_score_correction_bias", "q_a_proj", "kv_a_proj_with_mqa",
+               "rotary_emb", "A_log", "dt_bias")
+_KV_PROJ = (".k_proj.", ".v_proj.")
+_FUSED_QKV = (".qkv_proj.", ".query_key_value.", ".Wqkv.", ".c_attn.")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many ranks split each layer (``tp``) and how many stages split the layers (``pp``)."""
+
+    tp: int = 1
+    pp: int = 1
+    hosts: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def executor(self) -> str:
+        return EXECUTOR_MULTI_HOST if self.hosts > 1 else EXECUTOR_ONE_HOST
+
+    def label(self) -> str:
+        parts = [f"TP {self.tp}"] + ([f"PP {self.pp}"] if self.pp > 1 else [])
+        return " x ".join(parts) + (f" over {self.hosts} hosts" if self.hosts > 1 else "")
+
+    def flags(self) -> str:
+        """The edge command-line flags that pin this layout."""
+        out = f"--tensor-parallel-size {self.tp}"
+        if self.pp > 1:
+            out += f" --pipeline-parallel-size {self.pp}"
+        return out
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """The part of a parallel layout one device runs: its ranks, their layers and their weight bytes.
+
+    A GPU runs one rank; vLLM CPU's ranks share the host's one CPU device, each
+    bound to its own cores. ``weight_bytes`` is the sum over ``ranks``;
+    ``rank_weight_bytes`` the largest single rank's. ``layers`` is the stage's
+    ``[start, end)`` (None when the device holds ranks of several stages).
+    Handed to the owning backend's ``reserve_memory`` and ``gate_plan`` as
+    ``share``.
+    """
+
+    layout: Layout
+    ranks: tuple[int, ...]
+    weight_bytes: int
+    rank_weight_bytes: int
+    layers: tuple[int, int] | None
+    pp_rank: int | None
+
+    @property
+    def ranks_here(self) -> int:
+        return len(self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tp": self.layout.tp, "pp": self.layout.pp, "ranks": list(self.ranks),
+                "pp_rank": self.pp_rank, "layers": list(self.layers) if self.layers else None,
+                "weight_bytes": self.weight_bytes, "rank_weight_bytes": self.rank_weight_bytes}
+
+
+# ------------------------------------------------------------------ geometry
+
+def _text(manifest: Manifest) -> Mapping[str, Any]:
+    return manifest.config or {}
+
+
+def _int(config: Mapping[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def num_layers(config: Mapping[str, Any]) -> int | None:
+    return _int(config, "num_hidden_layers", "n_layer", "num_layers")
+
+
+def pp_partition(layers: int, pp: int) -> list[tuple[int, int]]:
+    """Each stage's ``[start, end)`` layers, as vLLM's ``get_pp_indices`` splits them (without an override).
+
+    Even shares; the remainder goes one layer each to the stages before the
+    last, from the second-to-last backwards (the last holds the final norm and
+    the LM head).
+    """
+    partitions = [layers // pp] * pp
+    for i in range(2, layers % pp + 2):
+        partitions[-i] += 1
+    out, start = [], 0
+    for size in partitions:
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def padded_vocab(vocab: int, padding: int = VOCAB_PADDING_SIZE) -> int:
+    return -(-vocab // padding) * padding
+
+
+def _quant_group_size(manifest: Manifest) -> int | None:
+    scheme = manifest.quantization_scheme or {}
+    size = scheme.get("group_size")
+    if isinstance(size, int) and size > 0:
+        return size
+    quant = manifest.quantization or {}
+    size = quant.get("group_size")
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _mla(config: Mapping[str, Any]) -> bool:
+    return config.get("kv_lora_rank") is not None
+
+
+def tp_problems(manifest: Manifest, tp: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """Why tensor parallel size ``tp`` cannot split this model: ``(dimension, message, values)`` each."""
+    if tp <= 1:
+        return []
+    config = _text(manifest)
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    heads = _int(config, "num_attention_heads", "n_head")
+    if heads and heads % tp:
+        out.append(("attention_heads", f"{heads} attention heads are not divisible by {tp}",
+                    {"num_attention_heads": heads}))
+    kv = _int(config, "num_key_value_heads")
+    if kv and not _mla(config) and kv % tp and tp % kv:
+        out.append(("kv_heads", f"{kv} KV heads are not divisible by {tp}, nor is {tp} a multiple of {kv} "
+                    "(vLLM splits KV heads, or replicates them when there are fewer than ranks)",
+                    {"num_key_value_heads": kv}))
+    vocab = _int(config, "vocab_size")
+    if vocab and padded_vocab(vocab) % tp:
+        out.append(("vocab", f"the vocabulary ({vocab}, padded to {padded_vocab(vocab)}, a multiple of "
+                    f"{VOCAB_PADDING_SIZE}) is not divisible by {tp}",
+                    {"vocab_size": vocab, "padded_vocab_size": padded_vocab(vocab)}))
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        size = _int(config, name)
+        if size and size % tp:
+            out.append(("intermediate_size", f"{name} {size} is not divisible by {tp}", {name: size}))
+    for name in ("mamba_n_heads", "mamba_num_heads", "linear_num_value_heads"):
+        size = _int(config, name)
+        if size and size % tp:
+            out.append(("recurrent_heads", f"{name} {size} is not divisible by {tp}", {name: size}))
+    group = _quant_group_size(manifest)
+    if group:
+        hidden = _int(config, "hidden_size") or 0
+        head_dim = _int(config, "head_dim") or (hidden // heads if heads else 0)
+        inputs = {"down_proj": _int(config, "moe_intermediate_size", "intermediate_size"),
+                  "o_proj": (heads or 0) * head_dim or None}
+        for module, size in inputs.items():
+            if size and size % tp == 0 and (size // tp) % group:
+                out.append(("quantization_group", f"{module}'s input ({size}) split {tp} ways is {size // tp} "
+                            f"columns per rank, not a whole number of {group}-column quantization groups",
+                            {"module": module, "input_size": size, "group_size": group}))
+    return out
+
+
+def pp_problems(manifest: Manifest, pp: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """Why ``pp`` pipeline stages cannot split this model (a stage needs at least one layer)."""
+    if pp <= 1:
+        return []
+    layers = num_layers(_text(manifest))
+    if layers is not None and layers < pp:
+        return [("layers", f"{layers} layers cannot fill {pp} pipeline stages", {"num_hidden_layers": layers})]
+    return []
+
+
+def valid_tp_sizes(manifest: Manifest, limit: int = MAX_LISTED_TP) -> list[int]:
+    """The tensor-parallel sizes up to ``limit`` that pass every divisibility gate."""
+    return [k for k in range(1, limit + 1) if not tp_problems(manifest, k)]
+
+
+def layout_refusals(manifest: Manifest, layout: Layout, device_id: str | None = None) -> list[Refusal]:
+    """``parallel_layout_invalid`` for each dimension ``layout`` cannot split, with the sizes that would work."""
+    refusals = []
+    sizes = valid_tp_sizes(manifest)
+    for dimension, message, values in tp_problems(manifest, layout.tp):
+        refusals.append(Refusal(
+            code="parallel_layout_invalid", device_id=device_id,
+            message=f"tensor parallel size {layout.tp}: {message}",
+            remedy=f"use --tensor-parallel-size {' or '.join(map(str, sizes))} (the sizes up to "
+                   f"{MAX_LISTED_TP} every dimension divides by), or pipeline parallelism (--pipeline-parallel-size)",
+            details={"dimension": dimension, "tensor_parallel_size": layout.tp, **values,
+                     "valid_tensor_parallel_sizes": sizes}))
+    for dimension, message, values in pp_problems(manifest, layout.pp):
+        refusals.append(Refusal(
+            code="parallel_layout_invalid", device_id=device_id,
+            message=f"pipeline parallel size {layout.pp}: {message}",
+            remedy=f"use at most --pipeline-parallel-size {values['num_hidden_layers']}",
+            details={"dimension": dimension, "pipeline_parallel_size": layout.pp, **values}))
+    return refusals
+
+
+# -------------------------------------------------------------- per-rank weights
+
+@dataclass(frozen=True)
+class _Roles:
+    """The checkpoint's bytes by role and layer: the one pass over the tensors every layout reuses."""
+
+    #: (role, layer index or -1) -> bytes
+    table: dict[tuple[str, int], int]
+    from_tensors: bool
+
+
+_ROLE_CACHE: dict[str, _Roles] = {}
+
+
+def tensor_role(name: str) -> tuple[str, int]:
+    """``(role, layer)`` of one tensor: how tensor parallelism splits it, and its decoder layer (-1: none)."""
+    if any(v in name for v in _VISION):
+        return "vision", -1
+    match = _LAYER_INDEX.search(name)
+    layer = int(match.group(1)) if match else -1
+    if layer < 0:
+        if any(e in name for e in _EMBED):
+            return "embed", -1
+        if name.startswith(("lm_head.", "output.")) or ".lm_head." in name:
+            return "lm_head", -1
+        return "global", -1  # the final norm and friends: whole, on the last stage
+    if any(r in name for r in _REPLICATED):
+        return "replicated", layer
+    if any(k in name for k in _KV_PROJ):
+        return "kv", layer
+    if any(q in name for q in _FUSED_QKV):
+        return "qkv", layer
+    return "split", layer
+
+
+def _roles(manifest: Manifest) -> _Roles:
+    cached = _ROLE_CACHE.get(manifest.artifact_id)
+    if cached is not None:
+        return cached
+    tensors = manifest.tensors
+    table: dict[tuple[str, int], int] = {}
+    if tensors is not None and len(tensors):
+        for shard in tensors.shards():
+            for name, nbytes in zip(shard.names, shard.nbytes):
+                key = tensor_role(name)
+                table[key] = table.get(key, 0) + nbytes
+        roles = _Roles(table, True)
+    else:
+        roles = _Roles({("split", -1): manifest.weight_bytes}, False)
+    _ROLE_CACHE[manifest.artifact_id] = roles
+    return roles
+
+
+def _fraction(role: str, config: Mapping[str, Any], tp: int) -> tuple[int, int]:
+    """One rank's share of a role's bytes under TP ``tp``, as ``numerator / denominator``."""
+    if tp <= 1 or role in ("replicated", "global"):
+        return 1, 1
+    heads = _int(config, "num_attention_heads", "n_head") or 1
+    kv = _int(config, "num_key_value_heads") or heads
+    if role == "kv":
+        return 1, min(tp, kv)
+    if role == "qkv":
+        return heads // tp + 2 * max(1, kv // tp), heads + 2 * kv
+    if role in ("embed", "lm_head"):
+        vocab = _int(config, "vocab_size")
+        if vocab:
+            return min(padded_vocab(vocab) // tp, vocab), vocab
+    return 1, tp
+
+
+def rank_weight_bytes(manifest: Manifest, layout: Layout) -> list[int]:
+    """Weight bytes one rank of each pipeline stage holds (a list of ``layout.pp`` figures).
+
+    Every TP rank of a stage holds the same bytes. Layers past
+    ``num_hidden_layers`` (a multi-token-prediction head vLLM skips) are
+    charged to the last stage; with tied embeddings the last stage holds the
+    embedding table too (vLLM builds it there as the LM head).
+    """
+    config = _text(manifest)
+    roles = _roles(manifest)
+    layers = num_layers(config) or 1
+    stages = pp_partition(layers, layout.pp) if layout.pp > 1 else [(0, layers)]
+    last = len(stages) - 1
+    tied = bool(config.get("tie_word_embeddings", manifest.config.get("tie_word_embeddings", False)))
+
+    def stage_of(layer: int) -> int:
+        for i, (start, end) in enumerate(stages):
+            if start <= layer < end:
+                return i
+        return last
+
+    out = [0] * len(stages)
+    for (role, layer), nbytes in roles.table.items():
+        num, den = _fraction(role, config, layout.tp)
+        share = -(-nbytes * num // den)
+        if role in ("embed", "vision"):
+            targets = {0, last} if role == "embed" and tied and last else {0}
+        elif role in ("lm_head", "global"):
+            targets = {last}
+        else:
+            targets = {stage_of(layer)} if layer >= 0 else {last}
+        for stage in targets:
+            out[stage] += share
+    return out
+
+
+# ---------------------------------------------------------------- candidates
+
+def group_key(device: Device) -> tuple[Any, ...]:
+    """Devices that may form one parallel group share this key: backend, kind, model and memory.
+
+    The runtime build is one per interpreter, so it can only differ between
+    hosts; :func:`_host_refusals` checks it there and names both builds.
+    """
+    return (device.plugin, device.backend, device.kind, device.name, device.memory_bytes,
+            device.compute_capability)
+
+
+def host_of(device: Device) -> str:
+    """The host label a device list gave this device (``extras["host"]``), or ``local``."""
+    extras = device.extras if isinstance(device.extras, dict) else {}
+    return str(extras.get("host") or "local")
+
+
+def mixed_group_refusal(devices: list[Device]) -> Refusal | None:
+    """``parallel_layout_invalid`` when pinned devices differ in model, memory, backend or runtime build."""
+    keys = {group_key(d) for d in devices}
+    if len(keys) <= 1:
+        return None
+    rows = "; ".join(f"{d.device_id}: {d.name}, {d.memory_bytes / 2**30:.0f} GiB, "
+                     f"{(d.extras or {}).get('runtime') or d.backend}" for d in devices)
+    return Refusal(code="parallel_layout_invalid", device_id=devices[0].device_id,
+                   message=f"the devices of one parallel group must be alike (vLLM gives every rank the same "
+                           f"share and the same KV pool); these differ: {rows}",
+                   remedy="pick devices of one model and memory size with --device-ids, and the same runtime "
+                          "build on every host",
+                   details={"dimension": "devices", "devices": [d.device_id for d in devices]})
+
+
+def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None = None) -> list[Layout]:
+    """Layouts to try: one host before several, TP before PP, then fewest devices.
+
+    ``per_host`` is how many like devices each host has, largest first. On
+    one host every tensor-parallel size is tried (smallest first) before any
+    pipeline stage: TP splits every rank's KV pool and weights alike and keeps
+    all ranks busy, PP within a host only helps where TP cannot divide the
+    model. Across hosts TP stays within a host (its all-reduce runs every
+    layer) and each host runs whole pipeline stages on vLLM's Ray path; a
+    layout one host could run alone is never spread over two. A pinned
+    ``tp``/``pp`` keeps only layouts of that size.
+    """
+    if not per_host:
+        return []
+    most = per_host[0]
+    found = [Layout(t, p) for t in range(1, most + 1) for p in range(1, most // t + 1) if t * p > 1]
+    for hosts in range(2, len(per_host) + 1):
+        each = per_host[hosts - 1]  # the smallest of the hosts used
+        found += [Layout(t, q * hosts, hosts) for t in range(1, each + 1) for q in range(1, each // t + 1)
+                  if t * q * hosts > most]
+    found = [l for l in found if (tp is None or l.tp == tp) and (pp is None or l.pp == pp)]
+    return sorted(found, key=lambda l: (l.hosts, l.pp, l.world_size))
+
+
+def cpu_bind_list(host: HostFacts | None, ranks: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU ranks: one NUMA node each where there are
+    enough nodes, else the host's cores cut into ``ranks`` contiguous runs (``"0|1"`` on 2 cores)."""
+    if host is None:
+        return None
+    nodes = [n for n in host.numa_nodes if n.cpus]
+    if len(nodes) >= ranks:
+        groups = [list(n.cpus) for n in nodes[:ranks]]
+    else:
+        cpus = sorted({c for n in nodes for c in n.cpus}) or list(range(host.logical_cores))
+        if len(cpus) < ranks:
+            return None
+        size = len(cpus) // ranks
+        groups = [cpus[i * size:(i + 1) * size] for i in range(ranks)]
+    return "|".join(_ranges(g) for g in groups)
+
+
+def _ranges(cpus: Iterable[int]) -> str:
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+@dataclass(frozen=True)
+class RankBudget:
+    """One rank of an admitted or refused parallel layout, for the plan's ``parallel.ranks``."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    device_id: str
+    host: str
+    layers: tuple[int, int]
+    weight_bytes: int
+    kv_cache_bytes: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "device_id": self.device_id,
+                "host": self.host, "layers": list(self.layers), "weight_bytes": self.weight_bytes,
+                "kv_cache_bytes": self.kv_cache_bytes, **self.extra}
+
+
+def ray_commands(hosts: list[str], model: str, layout: Layout, device_files: list[str]) -> list[dict[str, str]]:
+    """What to run where to bring a multi-host plan up on vLLM's Ray path (vLLM's multi-node recipe).
+
+    ``ray start --head`` on the first host, ``ray start --address=HEAD:6379``
+    on the others, then the server on the head with TP = devices per host and
+    PP = stages, on the Ray executor (the plan's engine arguments say
+    ``distributed_executor_backend="ray"``). Every host needs the same runtime
+    build (a gate of the plan) and the model at the same path; the head plans
+    again from every host's device list.
+    """
+    head = hosts[0]
+    lists = " ".join(f"--devices {path}" for path in device_files)
+    out = [{"host": head, "command": f"ray start --head --port={RAY_HEAD_PORT}"}]
+    out += [{"host": other, "command": f"ray start --address={head}:{RAY_HEAD_PORT}"} for other in hosts[1:]]
+    out.append({"host": head, "command": f"edge serve --model {model} {lists} {layout.flags()}".replace("  ", " ")})
+    return out
+
+
+# ------------------------------------------------------------------ planning
+
+@dataclass(frozen=True)
+class ParallelRequest:
+    """What the user pinned: ``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--device-ids``."""
+
+    tp: int | None = None
+    pp: int | None = None
+    device_ids: tuple[str, ...] = ()
+
+    @property
+    def pinned(self) -> bool:
+        """True when the user asked for more than one rank."""
+        return (self.tp or 1) * (self.pp or 1) > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+                "device_ids": list(self.device_ids)}
+
+
+def groupable(device: Device) -> bool:
+    """True when the device's backend runs vLLM's parallel executors (it says so in ``extras["parallel"]``)."""
+    extras = device.extras if isinstance(device.extras, dict) else {}
+    return (device.runnable and not device.masked and device.kind not in STAGE_ONLY_KINDS
+            and extras.get("parallel") == "vllm")
+
+
+@dataclass
+class _Attempt:
+    layout: Layout
+    refusals: list[Refusal]
+    outcomes: list[tuple[Device, DeviceShare, DeviceOutcome]] = field(default_factory=list)
+    ranks: list[RankBudget] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
+
+    @property
+    def reached_budget(self) -> bool:
+        return bool(self.outcomes)
+
+
+def _groups(devices: list[Device]) -> list[dict[str, list[Device]]]:
+    """Like devices by host (hosts with most devices first), groups with private pools first, then larger."""
+    by_key: dict[tuple[Any, ...], dict[str, list[Device]]] = {}
+    for device in sorted(devices, key=lambda d: (host_of(d), d.device_id)):
+        if groupable(device):
+            by_key.setdefault(group_key(device), {}).setdefault(host_of(device), []).append(device)
+    groups = [dict(sorted(hosts.items(), key=lambda kv: (-len(kv[1]), kv[0]))) for hosts in by_key.values()]
+    return sorted(groups, key=lambda g: (next(iter(g.values()))[0].memory_pool != "vram",
+                                         -next(iter(g.values()))[0].memory_bytes))
+
+
+def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manifest, session: SessionSpec,
+                host_facts: Mapping[str, HostFacts | None], registry: Registry | None, devices: list[Device],
+                ledger: LedgerView | None) -> _Attempt:
+    attempt = _Attempt(layout, layout_refusals(manifest, layout))
+    if attempt.refusals:
+        return attempt
+    config = _text(manifest)
+    layers = num_layers(config) or 1
+    stages = pp_partition(layers, layout.pp) if layout.pp > 1 else [(0, layers)]
+    per_stage = rank_weight_bytes(manifest, layout)
+    hosts = list(group)[: layout.hosts]
+    attempt.hosts = hosts
+    first = group[hosts[0]][0]
+    # Which device runs each rank (rank = pp_rank * tp + tp_rank, as vLLM numbers them).
+    placed: dict[str, list[int]] = {}
+    where: dict[int, Device] = {}
+    for rank in range(layout.world_size):
+        pp_rank, tp_rank = divmod(rank, layout.tp)
+        if first.kind == "cpu":
+            device = first  # vLLM CPU's ranks share the host's CPU, each bound to its own cores
+        else:
+            stages_per_host = layout.pp // layout.hosts
+            host = hosts[pp_rank // stages_per_host]
+            device = group[host][(pp_rank % stages_per_host) * layout.tp + tp_rank]
+        placed.setdefault(device.device_id, []).append(rank)
+        where[rank] = device
+    by_id = {d.device_id: d for hosted in group.values() for d in hosted}
+    for device_id, ranks in placed.items():
+        device = by_id[device_id]
+        stage_ids = sorted({r // layout.tp for r in ranks})
+        weights = [per_stage[r // layout.tp] for r in ranks]
+        share = DeviceShare(layout=layout, ranks=tuple(ranks), weight_bytes=sum(weights),
+                            rank_weight_bytes=max(weights), pp_rank=stage_ids[0] if len(stage_ids) == 1 else None,
+                            layers=stages[stage_ids[0]] if len(stage_ids) == 1 else None)
+        outcome = plan_on_device(device, manifest, session, host_facts.get(host_of(device)), registry, devices,
+                                 ledger, share=share)
+        attempt.outcomes.append((device, share, outcome))
+        attempt.refusals.extend(outcome.refusals)
+        for rank in ranks:
+            pp_rank, tp_rank = divmod(rank, layout.tp)
+            attempt.ranks.append(RankBudget(
+                rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, device_id=device_id, host=host_of(device),
+                layers=stages[pp_rank], weight_bytes=per_stage[pp_rank],
+                kv_cache_bytes=outcome.kv.bytes_vllm if outcome.kv is not None else 0))
+    if layout.hosts > 1:
+        attempt.refusals.extend(_host_refusals(group, hosts, host_facts))
+    attempt.ranks.sort(key=lambda r: r.rank)
+    return attempt
+
+
+def _host_refusals(group: dict[str, list[Device]], hosts: list[str],
+                   host_facts: Mapping[str, HostFacts | None]) -> list[Refusal]:
+    """Every host of a Ray layout runs the same runtime build and version (read from the device documents)."""
+    builds = {h: (group[h][0].extras or {}).get("runtime") for h in hosts}
+    if None in builds.values() or len(set(builds.values())) > 1:
+        rows = ", ".join(f"{h}: {b or 'not recorded'}" for h, b in builds.items())
+        return [Refusal(code="parallel_layout_invalid", device_id=group[hosts[0]][0].device_id,
+                        message=f"the hosts of one Ray layout must run the same vLLM build and version; the "
+                                f"device documents say {rows}",
+                        remedy="install the same edge backend and vLLM version on every host, then capture each "
+                               "host's list again with `edge devices --json`",
+                        details={"dimension": "runtime", "runtimes": builds})]
+    return []
+
+
+def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest, devices: list[Device],
+                  host: HostFacts | None, hosts: Mapping[str, HostFacts | None] | None = None,
+                  registry: Registry | None = None, ledger: LedgerView | None = None,
+                  command_model: str | None = None) -> Plan:
+    """Try layouts over groups of like devices when ``single`` (the one-device plan) found none, or one is pinned.
+
+    Returns ``single`` unchanged when it was admitted and nothing is pinned,
+    when no group can form, or when the session itself is invalid; otherwise
+    the admitted layout with the fewest devices, or ``single``'s refusals with
+    the parallel ones added (the smallest layout each group could not take).
+    """
+    if (single.admitted and not request.pinned) or single.manifest is None:
+        return single
+    if single.refusals and single.refusals[0].code in ("config_unreadable", "no_backend_installed") \
+            and not single.verdicts:
+        return single
+    session = single.session
+    facts: dict[str, HostFacts | None] = {"local": host, **(hosts or {})}
+    groups = _groups(devices)
+    if request.pinned and len(groups) > 1 and len({d.kind for d in devices if groupable(d)}) == 1:
+        mixed = mixed_group_refusal([d for d in devices if groupable(d)])
+        if mixed is not None and all(len(hosted) < (request.tp or 1) * (request.pp or 1)
+                                     for g in groups for hosted in g.values()):
+            return replace(single, admitted=False, refusals=(mixed,))
+    tried: list[_Attempt] = []
+    best: _Attempt | None = None
+    for group in groups:
+        first = next(iter(group.values()))[0]
+        if first.kind == "cpu":
+            group = dict(list(group.items())[:1])  # vLLM CPU ranks are planned on one host
+            nodes = len(getattr(facts.get(host_of(first)), "numa_nodes", ()) or ())
+            per_host = [request.tp * (request.pp or 1) if request.tp else (request.pp or max(nodes, 1))]
+        else:
+            per_host = [len(v) for v in group.values()]
+        for layout in candidate_layouts(per_host, request.tp, request.pp):
+            if best is not None and layout.world_size >= best.layout.world_size:
+                break
+            attempt = _try_layout(layout, group, manifest, session, facts, registry, devices, ledger)
+            tried.append(attempt)
+            if not attempt.refusals:
+                best = attempt
+                break
+    if best is not None:
+        return _admitted(manifest, single, best, request, facts, command_model)
+    return _refused(single, tried, request)
+
+
+def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: ParallelRequest,
+              facts: Mapping[str, HostFacts | None], command_model: str | None) -> Plan:
+    layout = attempt.layout
+    device, share, outcome = attempt.outcomes[0]
+    assert outcome.kv is not None and outcome.peak is not None
+    session = single.session
+    kv_bytes = max(o.kv.bytes_vllm for _, _, o in attempt.outcomes if o.kv is not None)
+    kv = replace(outcome.kv, bytes_vllm=kv_bytes)
+    kwargs = engine_kwargs_for(manifest, session, device, kv, outcome.peak, outcome.capacity_bytes or 0)
+    fractions = [o.peak.admission_bytes / (d.memory_bytes or o.capacity_bytes or 1)
+                 for d, _, o in attempt.outcomes if o.peak is not None]
+    kwargs["gpu_memory_utilization"] = round(min(max(max(fractions), 0.01), 0.99) + 0.005, 2)
+    kwargs["tensor_parallel_size"] = layout.tp
+    kwargs["pipeline_parallel_size"] = layout.pp
+    kwargs["distributed_executor_backend"] = layout.executor
+    env: dict[str, str] = {}
+    if device.kind == "cpu":
+        bind = cpu_bind_list(facts.get(host_of(device)), layout.world_size)
+        if bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    elif layout.hosts == 1:
+        env.update(visible_devices([d for d, _, _ in attempt.outcomes]))
+    parallel = {
+        "tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp, "world_size": layout.world_size,
+        "executor": layout.executor, "hosts": attempt.hosts, "label": layout.label(),
+        "requested": request.to_dict(), "env": env,
+        "ranks": [r.to_dict() for r in attempt.ranks],
+        "devices": [{"device_id": d.device_id, "host": host_of(d), "share": s.to_dict(),
+                     "peak": o.peak.to_dict() if o.peak is not None else None,
+                     "capacity_bytes": o.capacity_bytes, "reservations": [t.to_dict() for t in o.reservations]}
+                    for d, s, o in attempt.outcomes],
+        "commands": ray_commands(attempt.hosts, command_model or manifest.path, layout, _device_files(single))
+        if layout.hosts > 1 else [],
+    }
+    chosen = {d.device_id: (s, o) for d, s, o in attempt.outcomes}
+    verdicts = []
+    for verdict in single.verdicts:
+        if verdict.device_id in chosen:
+            s, o = chosen[verdict.device_id]
+            ranks = ", ".join(map(str, s.ranks))
+            verdicts.append(o.verdict(verdict.device_id, selected=True,
+                                      note=f"rank{'s' if len(s.ranks) > 1 else ''} {ranks} of {layout.label()}"))
+        else:
+            verdicts.append(verdict)
+    listed = {v.device_id for v in verdicts}
+    for d, s, o in attempt.outcomes:  # devices of other hosts' documents are not in the single walk's order
+        if d.device_id not in listed:
+            verdicts.append(o.verdict(d.device_id, selected=True, note=f"ranks {list(s.ranks)} of {layout.label()}"))
+    count = len(attempt.outcomes)
+    why = ("pinned" if request.pinned else "no single device takes the session")
+    notes = single.notes + (f"{why}: {layout.label()} on {count} device{'s' if count > 1 else ''} "
+                            f"({layout.flags()}); the table is rank 0's device, `parallel` in --json has each",)
+    return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
+                   peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
+                   verdicts=tuple(verdicts), notes=notes, parallel=parallel)
+
+
+def _device_files(plan: Plan) -> list[str]:
+    source = plan.devices_source
+    return source.removeprefix("file:").split(",") if source.startswith("file:") else []
+
+
+def visible_devices(devices: list[Device]) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` naming exactly the planned cards (UUIDs from the probe, else NVML indices)."""
+    extras = [d.extras if isinstance(d.extras, dict) else {} for d in devices]
+    if all(e.get("uuid") for e in extras):
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(e["uuid"]) for e in extras)}
+    if all(e.get("nvml_index") is not None for e in extras):
+        return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                "CUDA_VISIBLE_DEVICES": ",".join(str(e["nvml_index"]) for e in extras)}
+    ids = [d.device_id.rsplit(":", 1)[-1] for d in devices]
+    if all(i.isdigit() for i in ids):
+        return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(ids)}
+    return {}
+
+
+def _refused(single: Plan, tried: list[_Attempt], request: ParallelRequest) -> Plan:
+    """``single``'s refusals plus each layout's reasons, one per distinct reason (like devices repeat them)."""
+    extra: list[Refusal] = []
+    for attempt in tried:
+        if not (request.pinned or attempt.reached_budget):
+            continue  # a layout the model cannot split is not news when nothing was pinned
+        seen: set[tuple[str, str]] = set()
+        for refusal in attempt.refusals:
+            key = (refusal.code, refusal.message.replace(refusal.device_id or "\0", "DEVICE"))
+            if key in seen:
+                continue
+            seen.add(key)
+            extra.append(replace(refusal, message=f"{attempt.layout.label()}: {refusal.message}",
+                                 details={**refusal.details,
+                                          "layout": {"tp": attempt.layout.tp, "pp": attempt.layout.pp}}))
+    if request.pinned and not tried:
+        extra.append(Refusal(
+            code="parallel_layout_invalid",
+            message=f"no group of like devices can run {request.tp or 1} x {request.pp or 1} ranks here",
+            remedy="check `edge devices` for the runnable devices of one backend and model, or plan against "
+                   "captured device lists with --devices",
+            details={"dimension": "devices", **request.to_dict()}))
+    largest = max((a for a in tried if a.reached_budget), key=lambda a: a.layout.world_size, default=None)
+    notes = single.notes
+    if tried:
+        notes += ("parallel layouts tried: " + ", ".join(a.layout.label() for a in tried),)
+    if largest is not None and not request.pinned:
+        extra.append(_largest_refusal(single, largest))
+    refusals = tuple(extra) if request.pinned else single.refusals + tuple(extra)
+    return replace(single, admitted=False, refusals=refusals or single.refusals, notes=notes)
+
+
+#: A 4-bit build's weights against bf16's (GPTQ/AWQ int4 with group scales: ~0.27-0.3 of the bytes).
+FOUR_BIT_FRACTION = 0.3
+
+
+def _largest_refusal(single: Plan, attempt: _Attempt) -> Refusal:
+    """What the widest layout tried still lacks, and the build that would fit it."""
+    gib = 2**30
+    device, share, outcome = max(attempt.outcomes, key=lambda o: o[2].peak.admission_bytes if o[2].peak else 0)
+    needed = outcome.peak.admission_bytes if outcome.peak else 0
+    capacity = outcome.capacity_bytes or device.memory_bytes
+    remedy = "use more devices, a shorter context (--max-model-len), or a quantized build of this model"
+    manifest = single.manifest
+    if manifest is not None and not manifest.quantized:
+        quantized = share.rank_weight_bytes * FOUR_BIT_FRACTION
+        remedy = (f"use a 4-bit build of this model (GPTQ or AWQ int4: about {quantized / gib:.1f} GiB of weights "
+                  f"per rank at {attempt.layout.label()}, against {share.rank_weight_bytes / gib:.1f} GiB in "
+                  f"{manifest.dtype or 'its dtype'}), more devices, or a shorter context (--max-model-len)")
+    return Refusal(
+        code="budget_exceeds_device", device_id=device.device_id,
+        message=(f"even split over every like device ({attempt.layout.label()}), a rank needs "
+                 f"{needed / gib:.1f} GiB and {device.device_id} has {capacity / gib:.1f} GiB"),
+        remedy=remedy,
+        details={"layout": {"tp": attempt.layout.tp, "pp": attempt.layout.pp}, "needed_bytes": needed,
+                 "capacity_bytes": capacity, "rank_weight_bytes": share.rank_weight_bytes})

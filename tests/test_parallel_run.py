@@ -1,0 +1,52 @@
+"""vLLM CPU's tensor parallel run end to end: `edge run --tensor-parallel-size 2` on the demo.
+
+Two ranks on this host's cores (``VLLM_CPU_OMP_THREADS_BIND="0|1"`` on a
+2-core machine; vLLM's default binding asserts without NUMA nodes), each
+with the plan's per-rank KV pool; the run's measured peak is checked against
+the plan that budgets both rank processes, and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
+    pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="two ranks need two cores"),
+]
+
+
+def test_tp2_runs_on_vllm_cpu_with_per_rank_kv_and_leaves_nothing_running(tmp_path):
+    env = {**__import__("os").environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
+    proc = subprocess.run([sys.executable, "-m", "edge_core", "run", "--tensor-parallel-size", "2",
+                           "--prompt", "Hello there", "--max-tokens", "8", "--ignore-eos", "--json"],
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout)
+    assert record["outcome"] == "completed" and len(record["token_ids"]) == 8
+    plan = record["plan"]
+    parallel = plan["parallel"]
+    assert parallel["tensor_parallel_size"] == 2 and parallel["executor"] == "mp"
+    assert plan["engine_kwargs"]["tensor_parallel_size"] == 2
+    # The engine ran with one CPU list per rank, and every rank's pool is the plan's per-rank figure.
+    ncpu = psutil.cpu_count() or 2
+    assert parallel["env"]["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert record["stage"]["device_pin"]["set"]["VLLM_CPU_OMP_THREADS_BIND"] == parallel["env"][
+        "VLLM_CPU_OMP_THREADS_BIND"]
+    assert [r["kv_cache_bytes"] for r in parallel["ranks"]] == [plan["engine_kwargs"]["kv_cache_memory_bytes"]] * 2
+    assert ncpu >= 2
+    # Every process the stage started is gone.
+    pids = record["stage"]["stage_pids"]
+    assert len(pids) >= 3  # the engine core and a worker per rank
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    # The measured peak against the budget that counts both rank processes.
+    memory = record["memory"]
+    assert memory["verdict"] != "under_predicted", memory
