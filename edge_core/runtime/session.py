@@ -230,6 +230,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "reservations": [r.to_dict() for r in plan.reservations],
         "engine_kwargs": dict(plan.engine_kwargs),
         "refusals": [r.to_dict() for r in plan.refusals],
+        "parallel": dict(plan.parallel) if plan.parallel is not None else None,
     }
 
 
