@@ -237,3 +237,13 @@ def test_a_fifo_in_place_of_an_entry_does_not_block(tmp_path, cache):
     entry.unlink()
     os.mkfifo(entry)
     assert read_manifest(root).to_dict() == expected
+
+
+def test_an_entry_whose_bytes_do_not_add_up_to_the_data_sections_is_not_trusted(tmp_path, cache):
+    root = sharded(tmp_path / "m")
+    first = read_manifest(root)
+    entry = entry_of(cache, root)
+    doc = json.loads(entry.read_bytes())
+    doc["dtype_bytes"] = {"BF16": doc["dtype_bytes"]["BF16"] + 2}  # the digests still match the headers
+    entry.write_text(json.dumps(doc))
+    assert read_manifest(root).dtype_bytes == first.dtype_bytes

@@ -8,6 +8,8 @@ transformers, unpickles, or reads a tensor's bytes (unless a content digest is
 asked for). Shards are read through :mod:`._files`, which refuses anything
 that is not a regular file; sharded checkpoints go through
 ``model.safetensors.index.json``, whose names must stay inside the directory.
+Each header is checked by :mod:`.header`; a checkpoint whose exact header
+bytes were checked before takes the verdict from :mod:`.header_cache`.
 """
 
 from __future__ import annotations

@@ -72,10 +72,15 @@ class Verdict:
         return [name for name, _, _ in self.shards]
 
     def holds_for(self, headers: Sequence[ShardHeader]) -> bool:
-        """Whether ``headers`` are the shards, sizes and header bytes this verdict was reached on."""
-        return len(headers) == len(self.shards) and all(
-            (h.name, h.size_bytes) == (name, size) and header_digest(h.raw) == digest
-            for h, (name, size, digest) in zip(headers, self.shards))
+        """Whether ``headers`` are the shards, sizes and header bytes this verdict was reached on.
+
+        Its bytes per dtype must also add up to the data sections the headers
+        frame (the tensors tile them), which an entry edited by hand may not.
+        """
+        return (len(headers) == len(self.shards)
+                and sum(self.dtype_bytes.values()) == sum(h.data_bytes for h in headers)
+                and all((h.name, h.size_bytes) == (name, size) and header_digest(h.raw) == digest
+                        for h, (name, size, digest) in zip(headers, self.shards)))
 
     def to_dict(self) -> dict[str, Any]:
         return {"shards": [list(s) for s in self.shards], "dtype_bytes": self.dtype_bytes,
@@ -288,7 +293,8 @@ def _verdict_from(data: Any, key: str) -> Verdict | None:
     if not (isinstance(dtype_bytes, dict) and all(k in _CODE_INDEX and _count(v) for k, v in dtype_bytes.items())
             and _count(count) and count > 0):
         return None
-    return Verdict(shards=tuple((s[0], s[1], s[2]) for s in shards), dtype_bytes=dtype_bytes, tensor_count=count)
+    return Verdict(shards=tuple((s[0], s[1], s[2]) for s in shards), dtype_bytes=dict(sorted(dtype_bytes.items())),
+                   tensor_count=count)
 
 
 def _count(value: Any) -> bool:

