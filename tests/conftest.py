@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,9 @@ if str(TESTS) not in sys.path:  # lets tests import the helper modules beside th
     sys.path.insert(0, str(TESTS))
 
 from fakes import FakeEntryPoint, write_host_tree  # noqa: E402
+
+# The header-verdict cache of the suite's checkpoints stays out of the user's ~/.cache (subprocesses inherit it).
+os.environ.setdefault("EDGE_HEADER_CACHE_DIR", tempfile.mkdtemp(prefix="edge-test-headers-"))
 
 
 @pytest.fixture

@@ -17,6 +17,12 @@ from edge_core.artifact import checkpoint, header_cache, read_manifest
 from edge_core.errors import ArtifactError
 
 
+@pytest.fixture(autouse=True)
+def _xdg_decides(monkeypatch):
+    """These tests place the cache through XDG_CACHE_HOME; the suite-wide override (conftest) steps aside."""
+    monkeypatch.delenv(header_cache.CACHE_DIR_ENV, raising=False)
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -247,3 +253,26 @@ def test_an_entry_whose_bytes_do_not_add_up_to_the_data_sections_is_not_trusted(
     doc["dtype_bytes"] = {"BF16": doc["dtype_bytes"]["BF16"] + 2}  # the digests still match the headers
     entry.write_text(json.dumps(doc))
     assert read_manifest(root).dtype_bytes == first.dtype_bytes
+
+
+@pytest.mark.parametrize("entries_of_w, data_bytes, needle", [
+    ({"dtype": "Q4_K", "shape": [2, 2], "data_offsets": [0, 16]}, 16, "unknown dtype"),
+    ({"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 16]}, 16, "shape needs"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, 20, "trailing"),
+])
+def test_a_refused_header_leaves_no_verdict(tmp_path, cache, entries_of_w, data_bytes, needle):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
+    raw = json.dumps({"w": entries_of_w}).encode()
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + b"\0" * data_bytes)
+    for _ in range(2):  # and the second read refuses it again, by name
+        with pytest.raises(ArtifactError) as info:
+            read_manifest(tmp_path)
+        assert needle in info.value.message
+    assert entries(cache) == []
+
+
+def test_edge_header_cache_dir_overrides_xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(header_cache.CACHE_DIR_ENV, str(tmp_path / "chosen"))
+    assert header_cache.default_cache_dir() == tmp_path / "chosen"

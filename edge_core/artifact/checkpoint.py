@@ -19,9 +19,8 @@ import functools
 import hashlib
 import operator
 import os
-from dataclasses import dataclass
 from itertools import chain, repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ArtifactError
 from . import header_cache
@@ -57,8 +56,7 @@ PICKLE_REMEDY = (
 )
 
 
-@dataclass(frozen=True)
-class _Weights:
+class _Weights(NamedTuple):
     """What the shards hold: their raw headers, bytes per dtype, the tensor count and table."""
 
     headers: list[ShardHeader]

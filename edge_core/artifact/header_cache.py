@@ -1,7 +1,7 @@
 """Were these exact safetensors headers checked before? A verdict kept by the content it was reached on.
 
 Parsing and checking the headers of DeepSeek-V3 (90,369 tensors, 12 MB of
-header JSON and an 8.6 MB index) costs ~0.6 s on the 2-core VM of
+header JSON and an 8.6 MB index) costs ~0.5-0.65 s of CPU on the 2-core VM of
 docs/benchmarks.md, most of it ``json.loads``; the verdict itself is a few
 numbers. So the checkpoint reader keeps it, for header sets of at least
 :data:`MIN_CACHED_BYTES`, as one small JSON file under
@@ -12,7 +12,8 @@ the index file's bytes (or, without an index, of the shard names) and of the
 checks' own source, and it lists every shard's name, file size and a sha256
 of its header: a hit holds only when the headers read now hash the same, so
 the verdict is the one the checks would reach again on the same bytes.
-Hashing them costs ~20 ms where parsing costs ~500. The tensor columns
+A hit reads and hashes the index and headers (~30 ms of ``read_manifest``'s
+~45 ms for DeepSeek-V3) and parses nothing. The tensor columns
 (names, dtypes, bytes, shapes) go to a binary file beside the entry the first
 time someone reads them (:class:`.header.TensorTable`), tied to the same
 header digests. A file that is unreadable, malformed, or written by other
@@ -31,14 +32,13 @@ import stat
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .header import SAFETENSORS_DTYPES, ShardHeader, ShardTensors
 
-#: Header and index bytes below which nothing is written: parsing a megabyte costs
-#: ~35 ms here, a lookup well under one, and small checkpoints need no files in the cache.
+#: Header and index bytes below which nothing is written: checking a megabyte of them costs
+#: ~30 ms here, a lookup well under one, and small checkpoints need no files in the cache.
 MIN_CACHED_BYTES = 1 << 20
 #: Checkpoints kept, the least recently planned dropped first; and a cap on the
 #: bytes they take (a verdict is under 1 KiB, DeepSeek-V3's tensor columns 6.5 MB).
@@ -48,7 +48,8 @@ MAX_CACHE_BYTES = 256 << 20
 STALE_TMP_S = 3600.0
 ENTRY_FORMAT = "edge-header-verdict-v1"
 TABLE_MAGIC = b"edge-tensor-columns-v1\n"
-_READER_FILES = ("header.py", "header_cache.py", "checkpoint.py")
+#: The source of the checks a verdict depends on (a change to any of them makes every entry a miss).
+_READER_FILES = ("header.py", "header_cache.py", "checkpoint.py", "_files.py")
 #: A dtype code's index in the stored columns (one byte per tensor).
 _CODES = tuple(sorted(SAFETENSORS_DTYPES))
 _CODE_INDEX = {code: i for i, code in enumerate(_CODES)}
@@ -57,8 +58,7 @@ _CODE_INDEX = {code: i for i, code in enumerate(_CODES)}
 _INT_SECTIONS = ("q", "B", "I", "q")
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """What the checks concluded about a checkpoint's headers, and the bytes they concluded it on."""
 
     #: (shard name, file size in bytes, sha256 hex of its header), in the order read.
@@ -96,8 +96,14 @@ def verdict_for(headers: Sequence[ShardHeader], dtype_bytes: dict[str, int], ten
                    dtype_bytes=dict(dtype_bytes), tensor_count=tensor_count)
 
 
+#: Where the verdicts go instead of ``$XDG_CACHE_HOME/edge/headers`` (the test suite points it at a temp dir).
+CACHE_DIR_ENV = "EDGE_HEADER_CACHE_DIR"
+
+
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/edge/headers``, read at each call (as the other edge caches are)."""
+    """``$EDGE_HEADER_CACHE_DIR``, else ``$XDG_CACHE_HOME/edge/headers``; read at each call (as the other edge caches are)."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "edge" / "headers"
 
