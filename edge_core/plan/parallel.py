@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import DeviceOutcome, engine_kwargs_for, plan_on_device
+from .ledger import pool_key
 from .types import STAGE_ONLY_KINDS, Refusal
 
 if TYPE_CHECKING:
@@ -557,6 +558,9 @@ def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manife
         placed.setdefault(device.device_id, []).append(rank)
         where[rank] = device
     by_id = {d.device_id: d for hosted in group.values() for d in hosted}
+    # Like devices running like shares get the same budget: plan one, reuse it (an 8-GPU stage costs one).
+    # The first refusal ends the layout: every rank must fit, and its like devices would say the same.
+    admitted: dict[tuple[Any, ...], DeviceOutcome] = {}
     for device_id, ranks in placed.items():
         device = by_id[device_id]
         stage_ids = sorted({r // layout.tp for r in ranks})
@@ -564,10 +568,15 @@ def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manife
         share = DeviceShare(layout=layout, ranks=tuple(ranks), weight_bytes=sum(weights),
                             rank_weight_bytes=max(weights), pp_rank=stage_ids[0] if len(stage_ids) == 1 else None,
                             layers=stages[stage_ids[0]] if len(stage_ids) == 1 else None)
-        outcome = plan_on_device(device, manifest, session, host_facts.get(host_of(device)), registry, devices,
-                                 ledger, share=share)
+        committed = ledger.committed_bytes(pool_key(device)) if ledger is not None else 0
+        alike = (group_key(device), host_of(device), share.weight_bytes, share.layers, len(ranks), committed)
+        outcome = admitted.get(alike) or plan_on_device(
+            device, manifest, session, host_facts.get(host_of(device)), registry, devices, ledger, share=share)
         attempt.outcomes.append((device, share, outcome))
-        attempt.refusals.extend(outcome.refusals)
+        if outcome.refusals:
+            attempt.refusals.extend(outcome.refusals)
+            break
+        admitted[alike] = outcome
         for rank in ranks:
             pp_rank, tp_rank = divmod(rank, layout.tp)
             attempt.ranks.append(RankBudget(
