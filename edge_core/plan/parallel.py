@@ -454,12 +454,11 @@ class RankBudget:
     layers: tuple[int, int]
     weight_bytes: int
     kv_cache_bytes: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "device_id": self.device_id,
                 "host": self.host, "layers": list(self.layers), "weight_bytes": self.weight_bytes,
-                "kv_cache_bytes": self.kv_cache_bytes, **self.extra}
+                "kv_cache_bytes": self.kv_cache_bytes}
 
 
 def ray_commands(hosts: list[str], model: str, layout: Layout, device_files: list[str]) -> list[dict[str, str]]:
@@ -584,13 +583,12 @@ def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manife
                 layers=stages[pp_rank], weight_bytes=per_stage[pp_rank],
                 kv_cache_bytes=outcome.kv.bytes_vllm if outcome.kv is not None else 0))
     if layout.hosts > 1:
-        attempt.refusals.extend(_host_refusals(group, hosts, host_facts))
+        attempt.refusals.extend(_host_refusals(group, hosts))
     attempt.ranks.sort(key=lambda r: r.rank)
     return attempt
 
 
-def _host_refusals(group: dict[str, list[Device]], hosts: list[str],
-                   host_facts: Mapping[str, HostFacts | None]) -> list[Refusal]:
+def _host_refusals(group: dict[str, list[Device]], hosts: list[str]) -> list[Refusal]:
     """Every host of a Ray layout runs the same runtime build and version (read from the device documents)."""
     builds = {h: (group[h][0].extras or {}).get("runtime") for h in hosts}
     if None in builds.values() or len(set(builds.values())) > 1:
@@ -623,11 +621,6 @@ def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest,
     session = single.session
     facts: dict[str, HostFacts | None] = {"local": host, **(hosts or {})}
     groups = _groups(devices)
-    if request.pinned and len(groups) > 1 and len({d.kind for d in devices if groupable(d)}) == 1:
-        mixed = mixed_group_refusal([d for d in devices if groupable(d)])
-        if mixed is not None and all(len(hosted) < (request.tp or 1) * (request.pp or 1)
-                                     for g in groups for hosted in g.values()):
-            return replace(single, admitted=False, refusals=(mixed,))
     tried: list[_Attempt] = []
     best: _Attempt | None = None
     for group in groups:
@@ -648,7 +641,7 @@ def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest,
                 break
     if best is not None:
         return _admitted(manifest, single, best, request, facts, command_model)
-    return _refused(single, tried, request)
+    return _refused(single, tried, request, [d for d in devices if groupable(d)])
 
 
 def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: ParallelRequest,
@@ -733,8 +726,13 @@ def visible_devices(devices: list[Device]) -> dict[str, str]:
     return {}
 
 
-def _refused(single: Plan, tried: list[_Attempt], request: ParallelRequest) -> Plan:
-    """``single``'s refusals plus each layout's reasons, one per distinct reason (like devices repeat them)."""
+def _refused(single: Plan, tried: list[_Attempt], request: ParallelRequest, candidates: list[Device]) -> Plan:
+    """``single``'s refusals plus each layout's reasons, one per distinct reason (like devices repeat them).
+
+    A pinned layout no group could even form is refused for the devices: unlike
+    ones named (``candidates`` are the groupable devices), else that there are
+    too few.
+    """
     extra: list[Refusal] = []
     for attempt in tried:
         if not (request.pinned or attempt.reached_budget):
@@ -748,7 +746,10 @@ def _refused(single: Plan, tried: list[_Attempt], request: ParallelRequest) -> P
             extra.append(replace(refusal, message=f"{attempt.layout.label()}: {refusal.message}",
                                  details={**refusal.details,
                                           "layout": {"tp": attempt.layout.tp, "pp": attempt.layout.pp}}))
-    if request.pinned and not tried:
+    mixed = mixed_group_refusal(candidates) if len({d.kind for d in candidates}) == 1 else None
+    if request.pinned and not tried and mixed is not None:
+        extra.append(mixed)
+    elif request.pinned and not tried:
         extra.append(Refusal(
             code="parallel_layout_invalid",
             message=f"no group of like devices can run {request.tp or 1} x {request.pp or 1} ranks here",
