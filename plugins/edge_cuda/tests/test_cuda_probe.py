@@ -137,20 +137,20 @@ def test_t4_has_no_fp8_and_gates_bf16(metadata, host):
     assert "compressed-tensors:fp8" not in device.weight_formats
     assert "compressed-tensors:int8" in device.weight_formats
     bf16 = types.SimpleNamespace(dtype="bfloat16", weight_format="dense", config={})
-    (refusal,) = edge_cuda.gate_plan(device=device, manifest=bf16, session=None, host=host)
+    (refusal,) = edge_cuda.gate_plan(device=device, manifest=bf16, session=None, host=host, share=None)
     assert refusal.code == "kernel_unsupported"
     assert refusal.device_id == "cuda:0"
     assert "--dtype float16" in refusal.remedy
     fp16 = types.SimpleNamespace(dtype="float16", weight_format="dense", config={})
-    assert edge_cuda.gate_plan(device=device, manifest=fp16, session=None, host=host) == []
+    assert edge_cuda.gate_plan(device=device, manifest=fp16, session=None, host=host, share=None) == []
 
 
 def test_bf16_gate_reads_config_when_manifest_has_no_dtype(metadata, host):
     (t4,), _ = probe([T4])
     (h100,), _ = probe([H100])
     manifest = types.SimpleNamespace(config={"text_config": {"torch_dtype": "bfloat16"}})
-    assert [r.code for r in edge_cuda.gate_plan(t4, manifest, None, host)] == ["kernel_unsupported"]
-    assert edge_cuda.gate_plan(h100, manifest, None, host) == []
+    assert [r.code for r in edge_cuda.gate_plan(t4, manifest, None, host, None)] == ["kernel_unsupported"]
+    assert edge_cuda.gate_plan(h100, manifest, None, host, None) == []
 
 
 def test_two_gpus_get_distinct_ids_and_their_own_memory(metadata):
@@ -246,7 +246,7 @@ def test_hook_weight_formats_answers_only_for_cuda_devices(metadata):
         runnable=True, memory_pool="host_ram", memory_bytes=GiB,
     )
     assert edge_cuda.weight_formats(device=cpu) is None
-    assert edge_cuda.gate_plan(cpu, types.SimpleNamespace(dtype="bfloat16"), None, None) is None
+    assert edge_cuda.gate_plan(cpu, types.SimpleNamespace(dtype="bfloat16"), None, None, None) is None
 
 
 def test_weight_formats_of_a_captured_device_follow_its_capability():
