@@ -154,6 +154,25 @@ def test_llama8b_needs_two_4090s_at_its_full_context(capsys, checkpoints):
         assert rank["kv_cache_bytes"] == llama_rank_kv(c, 2, c["num_hidden_layers"], c["max_position_embeddings"])
 
 
+@pytest.mark.parametrize("kept,env", [
+    ("nvml_index", {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1"}),
+    (None, {}),  # a hand-written list: cuda:N is an ordinal where it was written, so visibility is left alone
+])
+def test_the_group_is_pinned_by_what_the_list_records_and_never_by_its_ordinals(capsys, checkpoints, tmp_path,
+                                                                                 kept, env):
+    path, _ = checkpoints["l8"]
+    doc = json.loads((DATA / "devices-2x4090.json").read_text())
+    for device in doc["devices"]:
+        device["extras"] = {k: v for k, v in device["extras"].items() if k not in ("uuid", "nvml_index") or k == kept}
+    listed = tmp_path / "devices.json"
+    listed.write_text(json.dumps(doc))
+    code, plan = _plan(capsys, "--model", str(path), "--devices", str(listed))
+    assert code == 0 and plan["parallel"]["tensor_parallel_size"] == 2
+    assert plan["parallel"]["env"] == env
+    unpinned = [n for n in plan["notes"] if "neither a UUID nor an NVML index" in n]
+    assert bool(unpinned) is (kept is None)
+
+
 def _layout_refusals(doc: dict) -> dict[str, dict]:
     return {r["details"]["dimension"]: r for r in doc["refusals"] if r["code"] == "parallel_layout_invalid"}
 

@@ -1,9 +1,10 @@
-"""vLLM CPU's tensor parallel run end to end: `edge run --tensor-parallel-size 2` on the demo.
+"""vLLM CPU's tensor parallel run end to end: `edge run`, `accept` and `parity` with `--tensor-parallel-size 2`.
 
 Two ranks on this host's cores (``VLLM_CPU_OMP_THREADS_BIND="0|1"`` on a
 2-core machine; vLLM's default binding asserts without NUMA nodes), each
 with the plan's per-rank KV pool; the run's measured peak is checked against
 the plan that budgets both rank processes, and nothing is left running.
+Ctrl-C of a TP 2 run is tests/test_run.py's Ctrl-C test, parametrized.
 """
 
 from __future__ import annotations
@@ -49,3 +50,40 @@ def test_tp2_runs_on_vllm_cpu_with_per_rank_kv_and_leaves_nothing_running(tmp_pa
     # The measured peak against the budget that counts both rank processes.
     memory = record["memory"]
     assert memory["verdict"] != "under_predicted", memory
+
+
+def test_accept_with_tp2_passes_every_criterion(tmp_path):
+    """Twelve prompts streamed through both ranks, the budget against the tree's peak, a leak-free cancel."""
+    record = tmp_path / "accept.json"
+    env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
+    proc = subprocess.run([sys.executable, "-m", "edge_core", "accept", "--tensor-parallel-size", "2",
+                           "--json", str(record)], capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL, env=env)
+    doc = json.loads(record.read_text())
+    assert proc.returncode == 0, (doc.get("failed"), proc.stderr[-3000:])
+    assert doc["outcome"] == "passed" and doc["failed"] == []
+    assert doc["plan"]["parallel"]["tensor_parallel_size"] == 2
+    passed = {c["name"] for c in doc["criteria"] if c["passed"]}
+    assert {"decision_visible", "decision_masked", "prompts_complete", "budget_bounds_tree_pss",
+            "cancel_leaks_nothing"} <= passed
+
+
+def test_parity_of_tp2_against_one_device_reports_each_first_divergence(tmp_path):
+    """Splitting the layers changes bf16 sums; the record says where each prompt's tokens first differ."""
+    record = tmp_path / "parity.json"
+    env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
+    proc = subprocess.run([sys.executable, "-m", "edge_core", "parity", "--tensor-parallel-size", "2",
+                           "--reference-tensor-parallel-size", "1", "--max-tokens", "32", "--json", str(record)],
+                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL, env=env)
+    assert proc.returncode in (0, 3), proc.stderr[-3000:]
+    doc = json.loads(record.read_text())
+    assert doc["layout"] == "TP 2" and doc["reference"]["layout"] == "one device"
+    assert doc["engine_kwargs"]["tensor_parallel_size"] == 2
+    assert doc["reference"]["engine_kwargs"].get("tensor_parallel_size", 1) == 1
+    assert doc["plain_vllm"]["leftover_pids"] == []
+    for row in doc["prompts"]:
+        ours, theirs = row["edge_token_ids"], row["vllm_token_ids"]
+        assert len(ours) == len(theirs) == 32
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        assert row["first_divergent_position"] == first and row["identical"] is (first is None)
+    assert proc.returncode == (0 if doc["outcome"] == "identical" else 3)

@@ -130,6 +130,26 @@ def test_run_rejects_a_saved_device_list(tmp_path):
     assert done.returncode == 64 and "this machine's devices" in done.stderr
 
 
+@pytest.mark.skipif(importlib.util.find_spec("edge_cpu") is None, reason="needs edge-cpu (the demo's device)")
+def test_parity_refuses_a_reference_layout_the_model_cannot_split_before_any_engine(tmp_path):
+    record = tmp_path / "parity.json"
+    code = (
+        "import sys\n"
+        "from edge_core.cli import main\n"
+        f"rc = main(['parity', '--reference-tensor-parallel-size', '3', '--json', {str(record)!r}])\n"
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'loaded a runtime for a refusal'\n"
+        "sys.exit(rc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")})
+    assert done.returncode == 2, done.stderr
+    assert "reference layout (--reference-tensor-parallel-size 3) is refused" in done.stderr
+    doc = json.loads(record.read_text())
+    assert doc["outcome"] == "refused" and doc["plan"]["admitted"] and not doc["reference_plan"]["admitted"]
+    # The demo's 4 attention heads do not divide by 3.
+    assert "attention_heads" in {r["details"].get("dimension") for r in doc["reference_plan"]["refusals"]}
+
+
 # ---------------------------------------------------------------- real vLLM
 
 class TestRealEngine:
@@ -145,9 +165,13 @@ class TestRealEngine:
         assert "predicted session peak" in budget and "tree-PSS peak" in budget and "(bounds)" in budget
         assert "starting vllm:cpu on cpu" in done.stderr  # progress went to stderr, not stdout
 
-    def test_ctrl_c_cancels_cleanly_with_exit_130(self):
+    @pytest.mark.parametrize("layout", [(), ("--tensor-parallel-size", "2")], ids=["one-device", "tp2"])
+    def test_ctrl_c_cancels_cleanly_with_exit_130(self, layout):
+        if layout and (psutil.cpu_count() or 1) < 2:
+            pytest.skip("two ranks need two cores")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_core", "run", "--max-tokens", "1900", "--ignore-eos", "--prompt", "Hello"],
+            [sys.executable, "-m", "edge_core", "run", *layout, "--max-tokens", "1900", "--ignore-eos",
+             "--prompt", "Hello"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         try:
@@ -162,6 +186,8 @@ class TestRealEngine:
                 assert chunk, "stdout closed before any token"
                 seen += chunk
             stage_pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            ranks = 2 if layout else 1
+            assert len(stage_pids) >= 1 + ranks  # the engine core and a worker per rank (and edge's reaper)
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
             out, err = proc.communicate(timeout=180)
         finally:

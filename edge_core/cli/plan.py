@@ -110,7 +110,7 @@ def session_from(args: argparse.Namespace) -> SessionSpec:
 
 
 def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
-                   fetch_weights: bool = False) -> tuple[Plan, Registry]:
+                   fetch_weights: bool = False, count_others: bool = True) -> tuple[Plan, Registry]:
     """Plan for ``args.model`` against this interpreter's devices, or a saved device list.
 
     Every plan counts what the other live edge sessions on this host hold
@@ -122,6 +122,8 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
     admitted plan of a Hub model whose weights are not in the Hugging Face cache
     downloads them (after checking the disk), so the engine starts on local
     files and never touches the network itself. A refused plan downloads nothing.
+    ``count_others=False`` plans without the ledger (a second layout planned
+    inside a session the ledger already holds, for ``edge parity``).
     """
     # The planner is imported here, not with the module: `edge devices` builds this parser too.
     from ..artifact.hub import looks_like_hub_id
@@ -147,7 +149,7 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
                          parallel=parallel_from(args), hosts=hosts)
 
     if not fetch_weights:
-        return plan_once(model, ledger_view(), revision), registry
+        return plan_once(model, ledger_view() if count_others else None, revision), registry
     downloaded = None
     if looks_like_hub_id(model) and not os.path.lexists(model):
         # Plan from the headers first: a refused model downloads nothing, an admitted one its weights.

@@ -113,6 +113,10 @@ def add_run_commands(sub: Any) -> None:
     planning_options(parity)
     parity.add_argument("--max-tokens", type=positive_int, default=ACCEPT_TOKENS, metavar="N",
                         help=f"tokens per prompt ({ACCEPT_TOKENS})")
+    parity.add_argument("--reference-tensor-parallel-size", type=positive_int, metavar="N",
+                        help="run the runtime-alone reference at tensor parallel size N, planned on its own "
+                             "(1: one device), to compare a --tensor-parallel-size stage with another layout's "
+                             "tokens (default: the same plan both ways)")
     engine_log_options(parity)
     parity.set_defaults(handler=cmd_parity)
 
@@ -326,16 +330,34 @@ def cmd_parity(args: argparse.Namespace) -> int:
         print_plan_beside(plan, plan_s, args.json, args.explain)
         write_document({"outcome": "refused", "plan": plan.to_dict()}, "parity", args.json)
         return EXIT_REFUSED
+    reference = None
+    if args.reference_tensor_parallel_size is not None:
+        # The same model (already resolved), another layout; not admitted on its own: the two engines run one
+        # after the other inside this session, which the ledger already holds.
+        wanted = argparse.Namespace(**{**vars(args), "model": plan.model_path, "revision": None,
+                                       "tensor_parallel_size": args.reference_tensor_parallel_size,
+                                       "pipeline_parallel_size": None})
+        reference, _ = plan_from_args(wanted, count_others=False)
+        if not reference.admitted:
+            say(f"edge: the reference layout (--reference-tensor-parallel-size {args.reference_tensor_parallel_size}) "
+                "is refused; edge's own plan was admitted")
+            print_plan_beside(reference, plan_s, args.json, args.explain)
+            write_document({"outcome": "refused", "plan": plan.to_dict(), "reference_plan": reference.to_dict()},
+                           "parity", args.json)
+            return EXIT_REFUSED
     from ..runtime import run_parity
 
     document = run_parity(plan, registry, max_tokens=args.max_tokens, observer=TerminalObserver(),
-                          engine_log=engine_log_from(args, "parity")[0])
+                          engine_log=engine_log_from(args, "parity")[0], reference_plan=reference)
     write_document(document, "parity", args.json)
     rows = document["prompts"]
     diverged = [row for row in rows if not row["identical"]]
     out = sys.stderr if args.json == "-" else sys.stdout
+    against = document["reference"]
+    layouts = ("" if against["layout"] == document["layout"]
+               else f" ({against['layout']} on {against['device']} vs {document['layout']})")
     print(f"parity    {len(rows) - len(diverged)}/{len(rows)} prompts token-for-token identical ({args.max_tokens} "
-          f"greedy tokens each, plain vllm.LLM vs edge's stage on {document['device']})", file=out)
+          f"greedy tokens each, plain vllm.LLM vs edge's stage on {document['device']}{layouts})", file=out)
     for row in diverged:
         print(f"  diverged at token {row['first_divergent_position']}: {row['prompt'][:60]!r}", file=out)
     return EXIT_DIVERGED if diverged else EXIT_OK

@@ -660,12 +660,14 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     kwargs["pipeline_parallel_size"] = layout.pp
     kwargs["distributed_executor_backend"] = layout.executor
     env: dict[str, str] = {}
+    unpinned: str | None = None
     if device.kind == "cpu":
         bind = cpu_bind_list(facts.get(host_of(device)), layout.world_size)
         if bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     elif layout.hosts == 1:
-        env.update(visible_devices([d for d, _, _ in attempt.outcomes]))
+        visible, unpinned = visible_devices([d for d, _, _ in attempt.outcomes])
+        env.update(visible)
     parallel = {
         "tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp, "world_size": layout.world_size,
         "executor": layout.executor, "hosts": attempt.hosts, "label": layout.label(),
@@ -701,7 +703,7 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     why = ("pinned" if request.pinned else "no single device takes the session")
     notes = single.notes + notes_without_tensors + (
         f"{why}: {layout.label()} on {count} device{'s' if count > 1 else ''} ({layout.flags()}); the table is "
-        "rank 0's device, `parallel` in --json has each",)
+        "rank 0's device, `parallel` in --json has each",) + ((unpinned,) if unpinned else ())
     return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
                    peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
                    verdicts=tuple(verdicts), notes=notes, parallel=parallel)
@@ -712,18 +714,24 @@ def _device_files(plan: Plan) -> list[str]:
     return source.removeprefix("file:").split(",") if source.startswith("file:") else []
 
 
-def visible_devices(devices: list[Device]) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` naming exactly the planned cards (UUIDs from the probe, else NVML indices)."""
+def visible_devices(devices: list[Device]) -> tuple[dict[str, str], str | None]:
+    """``CUDA_VISIBLE_DEVICES`` naming exactly the planned cards (UUIDs from the probe, else NVML indices).
+
+    A list that records neither (written by hand; edge-cuda's probe always
+    records the NVML index) leaves visibility as it is, as a one-card plan
+    does (``runtime.vllm_stage.pin_cuda_device``): ``cuda:N`` is an ordinal
+    among the cards visible where the list was made, not a physical index.
+    The second value then says so, for the plan's notes.
+    """
     extras = [d.extras if isinstance(d.extras, dict) else {} for d in devices]
     if all(e.get("uuid") for e in extras):
-        return {"CUDA_VISIBLE_DEVICES": ",".join(str(e["uuid"]) for e in extras)}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(e["uuid"]) for e in extras)}, None
     if all(e.get("nvml_index") is not None for e in extras):
         return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                "CUDA_VISIBLE_DEVICES": ",".join(str(e["nvml_index"]) for e in extras)}
-    ids = [d.device_id.rsplit(":", 1)[-1] for d in devices]
-    if all(i.isdigit() for i in ids):
-        return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(ids)}
-    return {}
+                "CUDA_VISIBLE_DEVICES": ",".join(str(e["nvml_index"]) for e in extras)}, None
+    unnamed = ", ".join(d.device_id for d, e in zip(devices, extras) if not e.get("uuid") and e.get("nvml_index") is None)
+    return {}, (f"the device list records neither a UUID nor an NVML index for {unnamed}: CUDA_VISIBLE_DEVICES is "
+                f"left as it is, and vLLM takes the first {len(devices)} visible cards")
 
 
 def _refused(single: Plan, tried: list[_Attempt], request: ParallelRequest, candidates: list[Device]) -> Plan:

@@ -6,10 +6,16 @@ backends) and then through edge's stage, with the plan's engine arguments and
 the same runtime environment; the first engine's processes are gone before
 the second starts. Token ids are compared, not text, and the first divergent
 position of each prompt is recorded.
+
+The reference may run another layout of the same model (``reference_plan``,
+``edge parity --reference-tensor-parallel-size 1``): a TP 2 stage against one
+device's tokens shows what splitting the layers changes. Its environment
+(thread binding, visible cards) is undone before edge's stage starts.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StageError, UsageError
@@ -32,21 +38,39 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def layout_label(plan: Plan) -> str:
+    """``TP 2``, ``TP 2 x PP 2``, or ``one device``: how a plan splits the model."""
+    return str(plan.parallel.get("label")) if plan.parallel else "one device"
+
+
 def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Observer | None = None,
-               engine_log: EngineLog | None = None) -> dict[str, Any]:
-    """Both runs of an admitted ``plan``; the record's ``outcome`` is ``identical`` or ``diverged``."""
+               engine_log: EngineLog | None = None, reference_plan: Plan | None = None) -> dict[str, Any]:
+    """Both runs of an admitted ``plan``; the record's ``outcome`` is ``identical`` or ``diverged``.
+
+    The runtime alone runs ``reference_plan`` (another layout of the same
+    model) when given, else ``plan`` itself.
+    """
     said: Observer = observer or SilentObserver()
     device = plan.selected_device
-    assert device is not None and plan.manifest is not None
-    owner = registry.owner(device)
+    reference = reference_plan or plan
+    ref_device = reference.selected_device
+    assert device is not None and ref_device is not None and plan.manifest is not None
+    owner = registry.owner(ref_device)
     if owner is None or "reference_token_ids" not in owner.hooks:
         raise UsageError(f"parity compares the runtime alone with edge's stage; the backend that runs "
-                         f"{device.device_id} ({plan.backend}) has no reference run (reference_token_ids)")
+                         f"{ref_device.device_id} ({reference.backend}) has no reference run (reference_token_ids)")
     (engine_log or EngineLog(None)).export()  # the reference run logs where edge's stage will
     node_prep = prepare_stage(registry, plan, said)
-    with said.step(f"the runtime alone: {len(PROMPTS)} prompts x {max_tokens} greedy tokens"), SessionReaper():
-        answer = registry.call_owner(device, "reference_token_ids", plan=plan, prompts=list(PROMPTS),
-                                     max_tokens=max_tokens)
+    environ = dict(os.environ)
+    with said.step(f"the runtime alone ({layout_label(reference)}): {len(PROMPTS)} prompts x {max_tokens} "
+                   "greedy tokens"), SessionReaper():
+        try:
+            answer = registry.call_owner(ref_device, "reference_token_ids", plan=reference, prompts=list(PROMPTS),
+                                         max_tokens=max_tokens)
+        finally:
+            if reference is not plan:  # its device pin and thread binding are not the stage's
+                os.environ.clear()
+                os.environ.update(environ)
     plain_ids, plain_info = answer
     if plain_info.get("leftover_pids"):
         raise StageError(f"the reference run left processes {plain_info['leftover_pids']} running; the second "
@@ -73,6 +97,9 @@ def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Obs
         "device": device.device_id,
         "max_tokens": max_tokens,
         "engine_kwargs": dict(plan.engine_kwargs),
+        "layout": layout_label(plan),
+        "reference": {"layout": layout_label(reference), "device": ref_device.device_id,
+                      "engine_kwargs": dict(reference.engine_kwargs)},
         "runtime_env": plain_info.get("runtime_env"),
         "node_prep": node_prep.to_dict() if node_prep is not None else None,
         "plain_vllm": plain_info,
