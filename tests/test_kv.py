@@ -556,8 +556,9 @@ MAMBA_130M = {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "hid
               "expand": 2, "vocab_size": 50280}
 
 
-def _vllm_state_minimum(monkeypatch, config, *, max_model_len, cpu_ssm_reset=True, prefix_caching=True):
-    """(bytes vLLM 0.32 needs for one max-len request, its attention block size, its state dtypes)."""
+def _vllm_state_minimum(monkeypatch, config, *, max_model_len, cpu_ssm_reset=True, prefix_caching=True, tp=1):
+    """(bytes vLLM 0.32 needs for one max-len request on one rank of ``tp``, its attention block size,
+    its state dtypes)."""
     torch = pytest.importorskip("torch", reason="vLLM's allocator needs torch")
     pytest.importorskip("vllm", reason="vLLM is not installed here")
     transformers = pytest.importorskip("transformers", reason="vLLM reads the HF config object")
@@ -578,6 +579,8 @@ def _vllm_state_minimum(monkeypatch, config, *, max_model_len, cpu_ssm_reset=Tru
     hf = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
     kv_heads = getattr(hf, "num_key_value_heads", None)
     head_dim = getattr(hf, "head_dim", None) or (hf.hidden_size // hf.num_attention_heads if kv_heads else 0)
+    if kv_heads:
+        kv_heads = max(1, kv_heads // tp)  # ModelConfig.get_num_kv_heads: split, or one per rank
     if model_type == "nemotron_h":  # nemotron_h.py: one layer per hybrid_override_pattern character
         kinds = [{"M": ("state",), "*": ("attention",)}.get(c, ()) for c in hf.hybrid_override_pattern]
     elif model_type == "falcon_h1":  # falcon_h1.py: attention and a Mamba-2 mixer in every layer
@@ -597,7 +600,7 @@ def _vllm_state_minimum(monkeypatch, config, *, max_model_len, cpu_ssm_reset=Tru
                max_model_len=max_model_len, is_hybrid=hybrid, model_impl="vllm", convert_type="none",
                runner_type="generate")
     vllm_config = NS(model_config=model, cache_config=cache,
-                     parallel_config=NS(tensor_parallel_size=1, decode_context_parallel_size=1),
+                     parallel_config=NS(tensor_parallel_size=tp, decode_context_parallel_size=1),
                      scheduler_config=NS(enable_chunked_prefill=True, disable_hybrid_kv_cache_manager=False),
                      num_speculative_tokens=0, speculative_config=None, attention_config=NS(hisparse_config=None),
                      max_in_flight_tokens=max_model_len)
@@ -675,6 +678,20 @@ def test_hybrid_vllm_rule_matches_vllm_allocator(monkeypatch, name, length, plat
     again = estimate_kv(config, max_model_len=length, max_num_batched_tokens=2048, block_size=est.block_size,
                         mamba_ssm_cache_dtype=ssm)
     assert again.bytes_vllm == est.bytes_vllm and again.block_size == est.block_size
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_rank_of_a_hybrid_matches_vllm_allocator_at_that_tensor_parallel_size(monkeypatch, name, tp):
+    """vLLM splits the conv width, the SSM heads and the KV heads by TP (Mamba-2 groups replicated up to TP)."""
+    config = PUBLISHED[name]
+    needed, block, _, accepts = _vllm_state_minimum(monkeypatch, config, max_model_len=32768, tp=tp)
+    est = estimate_kv(config, max_model_len=32768, max_num_batched_tokens=2048, block_size=128, tp_size=tp)
+    assert needed <= est.bytes_vllm <= needed * 1.01, (name, tp, est.bytes_vllm / needed)
+    assert accepts(est.bytes_vllm) and est.block_size == block
+    whole = estimate_kv(config, max_model_len=32768, max_num_batched_tokens=2048, block_size=128)
+    assert est.recurrent_state_bytes < whole.recurrent_state_bytes  # no longer charged whole on every rank
 
 
 @pytest.mark.vllm

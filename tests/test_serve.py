@@ -335,6 +335,37 @@ def test_sigint_exits_130_and_a_json_summary_is_written(tmp_path):
     assert port_is_free(server.port)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build, edge-cpu and openai; missing: {NEEDS}")
+@pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="two ranks need two cores")
+def test_a_tp2_server_answers_and_its_stop_reaps_every_rank(tmp_path):
+    server = Server(tmp_path, "--json", "--tensor-parallel-size", "2")
+    try:
+        server.wait_ready()
+        tree = server.tree()
+        status, body = get(f"{server.url}/edge/plan")
+        assert status == 200 and json.loads(body)["parallel"]["tensor_parallel_size"] == 2
+        request = urllib.request.Request(
+            f"{server.url}/v1/completions", headers={"content-type": "application/json"},
+            data=json.dumps({"model": json.loads(get(f"{server.url}/v1/models")[1])["data"][0]["id"],
+                             "prompt": "Hello there", "max_tokens": 8, "temperature": 0,
+                             "ignore_eos": True}).encode())
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            completion = json.loads(answer.read())
+        code, out, err = server.stop(signal.SIGTERM)
+    finally:
+        server.kill()
+    assert completion["usage"]["completion_tokens"] == 8
+    assert code == 0, err[-3000:]
+    record = json.loads(out)
+    assert record["plan"]["parallel"]["tensor_parallel_size"] == 2
+    assert record["memory"]["verdict"] == "bounds", record["memory"]
+    assert len(tree) >= 3  # the engine core and a worker per rank
+    assert record["processes_left"] == [] and not [p for p in tree if psutil.pid_exists(p)]
+    assert port_is_free(server.port)
+
+
 # ---------------------------------------------------------------- the hook, with a fake server
 
 def fake_server_backend(calls: list) -> object:

@@ -373,12 +373,15 @@ def _state_formula(config: Mapping[str, Any], name: str) -> str:
     return "mamba"
 
 
-def _recurrent_state(config: Mapping[str, Any], name: str) -> tuple[int, int, str]:
-    """(state elements per sequence, of which SSM-dtype elements, formula) of one recurrent layer.
+def _recurrent_state(config: Mapping[str, Any], name: str, tp: int = 1) -> tuple[int, int, str]:
+    """(state elements per sequence, of which SSM-dtype elements, formula) of one recurrent layer on one rank.
 
     Shapes follow vLLM's MambaStateShapeCalculator (mamba_utils.py) at tensor
-    parallel size 1 and no speculative tokens, with each family's fields as
-    its ``get_mamba_state_shape_from_config`` reads them.
+    parallel size ``tp`` and no speculative tokens, with each family's fields
+    as its ``get_mamba_state_shape_from_config`` reads them: the conv width
+    and the heads are split across ranks, and Mamba-2's groups are first
+    replicated up to ``tp`` when they do not divide (``extra_groups_for_head_shards``).
+    The layout gates have checked that the heads divide.
     """
     formula = _state_formula(config, name)
     if formula == "gated_deltanet":
@@ -388,19 +391,19 @@ def _recurrent_state(config: Mapping[str, Any], name: str) -> tuple[int, int, st
         dk = _req(config, ("linear_key_head_dim",))
         dv = _req(config, ("linear_value_head_dim",))
         kernel = _req(config, ("linear_conv_kernel_dim",))
-        ssm = nv * dv * dk
-        return (kernel - 1) * (2 * nk * dk + nv * dv) + ssm, ssm, formula
+        ssm = nv // tp * dv * dk
+        return (kernel - 1) * ((2 * nk * dk + nv * dv) // tp) + ssm, ssm, formula
     if formula == "linear_attention":
         # Lightning attention (MiniMax): a head_dim x head_dim state per head,
         # in mamba_cache_dtype (linear_attention_state_dtype).
         heads = _req(config, ATTENTION_HEAD_FIELDS)
         head_dim = _opt(config, HEAD_DIM_FIELDS) or _req(config, HIDDEN_FIELDS) // heads
-        return heads * head_dim * head_dim, 0, formula
+        return heads // tp * head_dim * head_dim, 0, formula
     if formula == "short_conv":
         # LFM2 short convolution: the last conv_L_cache - 1 inputs (lfm2.py reads conv_dim).
         kernel = _req(config, ("conv_L_cache",))
         dim = _opt(config, ("conv_dim",)) or _req(config, HIDDEN_FIELDS)
-        return (kernel - 1) * dim, 0, formula
+        return (kernel - 1) * (dim // tp), 0, formula
     d_state = _req(config, ("mamba_d_state", "ssm_state_size", "state_size"), what="Mamba state size")
     kernel = _req(config, ("mamba_d_conv", "conv_kernel"), what="Mamba conv kernel")
     model_type = config.get("model_type")
@@ -425,12 +428,14 @@ def _recurrent_state(config: Mapping[str, Any], name: str) -> tuple[int, int, st
         else:
             head_dim = _req(config, head_dim_names, what="Mamba-2 head dim")
         groups = _opt(config, ("mamba_n_groups", "n_groups", "mamba_ngroups")) or 1
-        ssm = ssm_heads * head_dim * d_state
-        return (kernel - 1) * (inner + 2 * groups * d_state) + ssm, ssm, "mamba2"
+        if groups % tp:
+            groups = tp  # replicated so every rank's heads have their group (vLLM: + tp - groups)
+        ssm = ssm_heads // tp * head_dim * d_state
+        return (kernel - 1) * ((inner + 2 * groups * d_state) // tp) + ssm, ssm, "mamba2"
     if inner is None:
         inner = (expand * _req(config, HIDDEN_FIELDS) if expand
                  else _req(config, ("intermediate_size",), what="Mamba inner width"))
-    return (kernel - 1) * inner + inner * d_state, inner * d_state, "mamba1"
+    return (kernel - 1) * (inner // tp) + inner // tp * d_state, inner // tp * d_state, "mamba1"
 
 
 # ------------------------------------------------------------------ layer kinds
@@ -580,8 +585,9 @@ def _layer_names(config: Mapping[str, Any]) -> tuple[list[str], str, str]:
     return ["sliding_attention"] * n, "sliding_window on every layer (Mistral rule)", "E"
 
 
-def kv_layout(config: Mapping[str, Any]) -> KVLayout:
-    """Classify every layer of a text config.
+def kv_layout(config: Mapping[str, Any], tp_size: int = 1) -> KVLayout:
+    """Classify every layer of a text config; recurrent state is one rank's of ``tp_size``
+    (:func:`rank_layout` then splits the KV heads and cuts the layers).
 
     Raises :class:`~edge_core.errors.ArtifactError` ``config_unreadable``
     naming the field when the config lacks or garbles one the answer needs.
@@ -596,7 +602,7 @@ def kv_layout(config: Mapping[str, Any]) -> KVLayout:
 
     def state(name: str) -> tuple[int, int, str]:
         if name not in state_cache:
-            state_cache[name] = _recurrent_state(config, name)
+            state_cache[name] = _recurrent_state(config, name, tp_size)
             note = f"{name!r} state per sequence from the {state_cache[name][2]} shape (estimate)"
             notes.append(note)
         return state_cache[name]
@@ -661,9 +667,8 @@ def rank_layout(layout: KVLayout, tp_size: int = 1, layer_range: tuple[int, int]
     vLLM splits KV heads across ``tp_size`` ranks (``num_kv_heads // tp``) and
     replicates them when there are fewer heads than ranks (one head per
     rank); MLA's latent is one shared vector per token, which tensor
-    parallelism does not split. Recurrent state is charged whole per rank
-    (an over-estimate: vLLM splits Mamba heads too, but the split rule differs
-    by mixer). A pipeline stage caches only its layers, ``layer_range`` =
+    parallelism does not split. Recurrent state is already one rank's when
+    ``layout`` is ``kv_layout(config, tp_size)``. A pipeline stage caches only its layers, ``layer_range`` =
     ``[start, end)`` as vLLM's ``get_pp_indices`` gives them.
     """
     layers = layout.layers
@@ -939,7 +944,7 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
     ``kv_cache_memory_bytes`` is per rank.
     """
     _positive(max_model_len, "max_model_len")
-    layout = rank_layout(kv_layout(config), tp_size, layer_range)
+    layout = rank_layout(kv_layout(config, tp_size), tp_size, layer_range)
     resolved, s = _session(layout, kv_dtype, model_dtype, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                            concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
@@ -1006,7 +1011,7 @@ def max_model_len_for(config: Mapping[str, Any], budget_bytes: int, *, max_num_s
     _check_rule(rule)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise UsageError(f"budget_bytes must be an integer, got {budget_bytes!r}")
-    layout = rank_layout(kv_layout(config), tp_size, layer_range)
+    layout = rank_layout(kv_layout(config, tp_size), tp_size, layer_range)
     _, s = _session(layout, kv_dtype, model_dtype, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
