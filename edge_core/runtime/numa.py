@@ -118,6 +118,8 @@ class NodePrep:
     #: Per round: bytes touched, what the node was expected to read after the
     #: release, and what it read (bytes), with its total.
     round_log: tuple[dict[str, int], ...] = ()
+    #: A tensor-parallel plan's other nodes (its ranks bound elsewhere), each prepared the same way.
+    other_nodes: tuple[NodePrep, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,6 +135,7 @@ class NodePrep:
             "round_log": [dict(entry) for entry in self.round_log],
             "seconds": round(self.seconds, 3),
             "note": self.note,
+            "other_nodes": [other.to_dict() for other in self.other_nodes],
         }
 
 

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -547,18 +547,27 @@ def pin_plan_devices(plan: Plan, device: Device, environ: MutableMapping[str, st
             "layout": plan.parallel.get("label")}
 
 
-def prepare_node_for(plan: Plan, node_id: int | None, progress: Callable[[str], None] | None = None) -> NodePrep:
+def prepare_node_for(plan: Plan, node_id: int | None, progress: Callable[[str], None] | None = None, *,
+                     ranks: Sequence[int] | None = None) -> NodePrep:
     """Make NUMA node ``node_id`` able to hold ``plan``'s KV pool before vLLM CPU checks it (see :mod:`.numa`).
 
     vLLM CPU checks the pool against the node it binds to (which node that is
     is edge-cpu's knowledge; it passes ``node_id``, None without NUMA). The
     node must read the KV pool plus the weights before the pool is sized;
-    edge aims for the predicted peak plus slack. ``progress`` gets a status
-    line about once a second while memory is being touched.
+    edge aims for the predicted peak plus slack. ``ranks`` (of a parallel
+    plan: the ranks bound to this node) narrows both to those ranks' pools
+    and weight slices (``plan.parallel["ranks"]``), aiming for them plus
+    slack. ``progress`` gets a status line about once a second while memory
+    is being touched.
     """
     kv_bytes = int(plan.engine_kwargs.get("kv_cache_memory_bytes") or 0)
     weights = int(getattr(plan.manifest, "weight_bytes", 0) or 0)
     predicted = int(plan.peak.predicted_bytes) if plan.peak is not None else kv_bytes + weights
+    if ranks is not None and plan.parallel:
+        rows = [row for row in plan.parallel.get("ranks") or () if row.get("rank") in set(ranks)]
+        kv_bytes = sum(int(row.get("kv_cache_bytes") or 0) for row in rows)
+        weights = sum(int(row.get("weight_bytes") or 0) for row in rows)
+        predicted = kv_bytes + weights
     shown = {"last": 0.0}
 
     def touched(nbytes: int, short: int) -> None:

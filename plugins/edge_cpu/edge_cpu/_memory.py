@@ -220,15 +220,32 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
 
 
 def prepare_node(plan: Any, progress: Callable[[str], None] | None) -> Any:
-    """Grow the NUMA node vLLM CPU will bind to until it can hold the plan's KV pool (the ``prepare_stage`` hook).
+    """Grow the NUMA node(s) vLLM CPU will bind to until they can hold the plan's KV pool (the ``prepare_stage`` hook).
 
     Which node that is, is this backend's rule (:func:`._gates.bound_node`,
     the one the planner's node gate uses too); the node arithmetic and the
     growing are edge-core's (:func:`edge_core.runtime.vllm_stage.prepare_node_for`).
+    A tensor-parallel plan binds each rank to its own CPU list
+    (``plan.parallel["env"]["VLLM_CPU_OMP_THREADS_BIND"]``, one list per rank):
+    every node a rank lands on is grown for the ranks bound there, and the
+    answer is rank 0's node with the others in ``other_nodes``.
     """
+    from dataclasses import replace
+
     from edge_core.runtime.vllm_stage import prepare_node_for
 
     from ._gates import bound_node
 
-    node = bound_node(read_host())
-    return prepare_node_for(plan, node.node_id if node is not None else None, progress)
+    host = read_host()
+    parallel = getattr(plan, "parallel", None) or {}
+    bind = str((parallel.get("env") or {}).get("VLLM_CPU_OMP_THREADS_BIND") or "")
+    lists = bind.split("|") if bind else []
+    if len(lists) <= 1 or not host.numa_nodes:
+        node = bound_node(host, {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else None)
+        return prepare_node_for(plan, node.node_id if node is not None else None, progress)
+    by_node: dict[int | None, list[int]] = {}
+    for rank, cpus in enumerate(lists):
+        node = bound_node(host, {"VLLM_CPU_OMP_THREADS_BIND": cpus})
+        by_node.setdefault(node.node_id if node is not None else None, []).append(rank)
+    preps = [prepare_node_for(plan, node_id, progress, ranks=ranks) for node_id, ranks in by_node.items()]
+    return replace(preps[0], other_nodes=tuple(preps[1:]))

@@ -385,3 +385,33 @@ def test_ranks_sharing_a_node_fill_it_together(monkeypatch):
     assert refusal.details == {"numa_node": 0, "node_capacity_bytes": 12 * GIB, "kv_bytes": 14 * GIB}
     assert "ranks 0, 1" in refusal.message and "fewer ranks" in refusal.remedy
     assert _gates.gate(_cpu_device(), _manifest(head_dim=128), None, h, _kv(12 * GIB), share=_share(tp=2)) == []
+
+
+def _tp2_plan(bind: str) -> types.SimpleNamespace:
+    rows = [{"rank": 0, "kv_cache_bytes": 3 * GIB, "weight_bytes": 2 * GIB},
+            {"rank": 1, "kv_cache_bytes": 3 * GIB, "weight_bytes": 2 * GIB}]
+    return types.SimpleNamespace(parallel={"env": {"VLLM_CPU_OMP_THREADS_BIND": bind}, "ranks": rows},
+                                 engine_kwargs={"kv_cache_memory_bytes": 3 * GIB},
+                                 manifest=types.SimpleNamespace(weight_bytes=4 * GIB), peak=None)
+
+
+@pytest.mark.parametrize("bind,nodes", [
+    ("0-3|4-7", {0: 5 * GIB, 1: 5 * GIB}),   # a node per rank: each holds its rank's pool and weight slice
+    ("0-1|2-3", {0: 10 * GIB}),              # both ranks on node 0: it holds both
+])
+def test_every_node_a_rank_binds_to_is_prepared_for_the_ranks_there(monkeypatch, bind, nodes):
+    from edge_core.runtime import numa, vllm_stage
+
+    asked: dict[int, tuple[int, int, int]] = {}
+
+    def prepare(*, node_id, kv_bytes, required_bytes, target_bytes, progress=None):
+        asked[node_id] = (kv_bytes, required_bytes, target_bytes)
+        return numa.NodePrep(numa.NOT_NEEDED, node_id, kv_bytes, required_bytes, target_bytes, None, None)
+
+    monkeypatch.setattr(vllm_stage, "prepare_node", prepare)
+    monkeypatch.setattr(_memory, "read_host", lambda: host(numa_nodes=TWO_NODES))
+    prep = _memory.prepare_node(_tp2_plan(bind), None)
+    assert {node: required for node, (_, required, _) in asked.items()} == nodes
+    assert all(target == required + numa.TARGET_SLACK_BYTES for _, required, target in asked.values())
+    assert prep.node_id == 0 and [o.node_id for o in prep.other_nodes] == sorted(nodes)[1:]
+    assert [o["node_id"] for o in prep.to_dict()["other_nodes"]] == sorted(nodes)[1:]
