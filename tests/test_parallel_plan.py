@@ -316,3 +316,22 @@ def test_device_ids_restrict_the_candidates(capsys, checkpoints):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_each_hosts_device_is_planned_against_its_own_hosts_memory(capsys, checkpoints, tmp_path):
+    """Two CPU hosts' lists: the 8B model fits the 32 GiB one only, whichever list comes first."""
+    path, _ = checkpoints["l8"]
+    big = json.loads((DATA / "devices-cpu-32g.json").read_text())
+    big["host"]["hostname"] = "big"
+    small = json.loads(json.dumps(big))
+    small["host"].update(hostname="small", mem_total_bytes=8 * GIB, mem_available_bytes=7 * GIB)
+    small["devices"][0]["memory_bytes"] = 8 * GIB
+    lists = []
+    for doc in (small, big):
+        listed = tmp_path / f"{doc['host']['hostname']}.json"
+        listed.write_text(json.dumps(doc))
+        lists += ["--devices", str(listed)]
+    code, doc = _plan(capsys, "--model", str(path), *lists, "--max-model-len", "8192")
+    assert code == 0 and doc["admitted"] and doc["selected_device"] == "big/cpu"
+    small_verdict = next(v for v in doc["devices"] if v["device_id"] == "small/cpu")
+    assert not small_verdict["selected"] and small_verdict["refusals"]

@@ -24,6 +24,8 @@ from .terms import core_reservations, headroom_reservations
 from .types import STAGE_ONLY_KINDS, DeviceVerdict, Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ..artifact import Manifest
     from ..budget import Peak, Reservation
     from ..devices import Device
@@ -123,14 +125,27 @@ def engine_kwargs_for(manifest: Manifest, session: SessionSpec, device: Device, 
     return kwargs
 
 
+def _host_of(device: Device, host: HostFacts | None, hosts: Mapping[str, HostFacts | None] | None
+             ) -> HostFacts | None:
+    """The facts of the host ``device`` is on: its list's, in a multi-host plan (``extras["host"]``)."""
+    label = device.extras.get("host") if isinstance(device.extras, dict) else None
+    if hosts and isinstance(label, str) and label in hosts:
+        return hosts[label]
+    return host
+
+
 def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
                     registry: Registry | None = None, devices_source: str = "probed",
-                    ledger: LedgerView | None = None) -> Plan:
+                    ledger: LedgerView | None = None,
+                    hosts: Mapping[str, HostFacts | None] | None = None) -> Plan:
     """Walk the gates for every candidate device and return the plan, admitted or refused.
 
     ``ledger`` is what other live edge sessions on this host were admitted to
     hold (:mod:`edge_core.host_ledger`); the capacity gate counts what of it the
-    pool does not show as used yet.
+    pool does not show as used yet. ``hosts`` are the facts of each host of a
+    multi-host plan, by the label its devices carry in ``extras["host"]``: a
+    device is planned against its own host's memory, ``host`` when it has no
+    label there.
     """
     model_path = manifest.path
 
@@ -173,7 +188,8 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
             all_refusals.append(refusal)
             continue
         try:
-            outcome = plan_on_device(device, manifest, session, host, registry, devices, ledger)
+            outcome = plan_on_device(device, manifest, session, _host_of(device, host, hosts), registry, devices,
+                                     ledger)
         except ArtifactError as exc:  # the config lacks what the KV arithmetic needs: no device can help
             return refused([Refusal(code=exc.code, message=str(exc), remedy=exc.remedy)])
         notes.extend(outcome.notes)

@@ -53,7 +53,7 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], h
         return Plan(admitted=False, model_path=str(model_path), session=session, devices_source=devices_source,
                     refusals=(Refusal(code=exc.code, message=str(exc), remedy=exc.remedy),))
     plan = _plan_path(source.path, session=session, devices=devices, host=host, registry=registry,
-                      devices_source=devices_source, digest_weights=digest_weights, ledger=ledger)
+                      devices_source=devices_source, digest_weights=digest_weights, ledger=ledger, hosts=hosts)
     if plan.manifest is not None and plan.manifest.kind != "onnx" and not isinstance(plan, GraphStagePlan):
         plan = plan_parallel(plan.manifest, plan, request=request, devices=devices, host=host, hosts=hosts,
                              registry=registry, ledger=ledger, command_model=str(model_path))
@@ -73,7 +73,7 @@ def only_devices(devices: list[Device], ids: Iterable[str]) -> list[Device]:
 
 def _plan_path(model_path: str, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
                registry: Registry | None, devices_source: str, digest_weights: bool,
-               ledger: LedgerView | None) -> Plan:
+               ledger: LedgerView | None, hosts: Mapping[str, HostFacts | None] | None = None) -> Plan:
     try:
         manifest = read_manifest(model_path, digest_weights=digest_weights)
     except ArtifactError as exc:
@@ -86,7 +86,7 @@ def _plan_path(model_path: str, *, session: SessionSpec, devices: list[Device], 
         return plan_graph_stage(manifest, devices=devices, host=host, registry=registry,
                                 devices_source=devices_source, session=session)
     return plan_checkpoint(manifest, session=session, devices=devices, host=host, registry=registry,
-                           devices_source=devices_source, ledger=ledger)
+                           devices_source=devices_source, ledger=ledger, hosts=hosts)
 
 
 def load_devices(path: str, registry: Registry, mask: frozenset[str] = frozenset()
