@@ -19,8 +19,9 @@ The runs share one temporary ``XDG_CACHE_HOME``, primed first, so the other
 caches there (vLLM's parsed source) are warm in both. ``--before DIR`` also
 times another checkout of edge (e.g. ``git archive 7e0f3e8 | tar -x -C DIR``:
 its ``edge_core`` and ``plugins/edge_cpu`` first on ``PYTHONPATH``, with a cache
-directory of its own, primed too), each of its runs next to one of this
-checkout's, so a busy machine slows both alike.
+directory of its own, primed too, its header cache emptied before each run:
+cold, to compare with this checkout's cold), each of its runs next to one of
+this checkout's, so a busy machine slows both alike.
 Baseline, measured in the same run: a fresh ``python -c "import vllm"``, the
 least any tool that loads the engine to find out spends before it knows
 anything.
@@ -102,6 +103,8 @@ def main() -> int:
                 for kind in kinds:
                     if kind == "cold":
                         shutil.rmtree(headers, ignore_errors=True)
+                    elif kind == "before":  # the other checkout's first plan too: cold against cold
+                        shutil.rmtree(Path(tmp) / "xdg-before" / "edge" / "headers", ignore_errors=True)
                     runs[kind].append(plan(model, kind))
             verdicts = {run[2] for kind in ("cold", "warm") for run in runs[kind]}
             assert len(verdicts) == 1, (entry.repo, runs)
@@ -141,6 +144,8 @@ def in_process(ref: Any, entries: list[Any], runs: int) -> int:
                 for kind in figures:
                     if kind == "cold":
                         shutil.rmtree(headers, ignore_errors=True)
+                    elif kind == "before":  # the other checkout's first plan too: cold against cold
+                        shutil.rmtree(Path(tmp) / "xdg-before" / "edge" / "headers", ignore_errors=True)
                     wall, cpu = time.perf_counter(), time.process_time()
                     read_manifest(model)
                     figures[kind].append((time.perf_counter() - wall, time.process_time() - cpu))

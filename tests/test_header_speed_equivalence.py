@@ -227,3 +227,43 @@ def test_an_index_naming_a_tensor_no_shard_holds_is_refused_even_when_the_counts
     shards = [shard_of("s0.safetensors", ["x", "y"])]
     with pytest.raises(ArtifactError, match="does not hold"):
         check_tensors("/m", shards, {"x": "s0.safetensors", "z": "s0.safetensors"})
+
+
+# ------------------------------------------------------------------ the JSON decoder
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, st.booleans())
+def test_the_fast_decoder_reads_every_document_as_json_does(value, ascii_only):
+    from edge_core.artifact._files import loads
+
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8")
+    assert loads(raw) == json.loads(raw)
+    assert type(loads(raw)) is type(json.loads(raw))
+
+
+@pytest.mark.parametrize("raw", [b'{"a": NaN}', b'\xef\xbb\xbf{"a": 1}', b'{"a": 123456789012345678901234567890}',
+                                 b'{"a": "\\ud800"}', b'[1e400]'])
+def test_what_the_fast_decoder_declines_json_reads_the_same_way(raw):
+    from edge_core.artifact._files import loads
+
+    # Compared as JSON text: NaN is not equal to itself.
+    assert json.dumps(loads(raw)) == json.dumps(json.loads(raw.decode("utf-8-sig")))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["msgspec", "json-only"])
+@pytest.mark.parametrize("raw", [b'{"a": 1} trailing', b'{"a": ', b'\xff\xfe', b'{"a": [}'])
+def test_what_neither_decoder_takes_is_json_s_error(monkeypatch, raw, fast):
+    from edge_core.artifact import _files
+
+    if not fast:  # an interpreter without msgspec
+        monkeypatch.setattr(_files, "_FAST", [None])
+    assert _files.loads(b'{"a": [1, 2.5, "x"]}') == {"a": [1, 2.5, "x"]}
+    with pytest.raises((ValueError, UnicodeDecodeError)):
+        _files.loads(raw)

@@ -31,7 +31,7 @@ from itertools import chain, compress, islice, repeat
 from typing import Any, NamedTuple, NoReturn
 
 from ..errors import ArtifactError
-from ._files import open_regular, reject_duplicates
+from ._files import loads, open_regular, reject_duplicates
 
 #: The safetensors reader's own cap on the JSON header; a larger length prefix
 #: is a lie or an attack, and honouring it would allocate that much memory.
@@ -313,13 +313,12 @@ def _parse_header(raw: bytes) -> Any:
     Any difference (a duplicate, an escaped key, a key quoted inside metadata)
     re-parses with the hook, which names the duplicate.
     """
-    text = raw.decode("utf-8")
-    header = json.loads(text)
+    header = loads(raw) if not raw.startswith(b"\xef\xbb\xbf") else None  # a BOM: not JSON, as json says
     if isinstance(header, dict):
         tensors = len(header) - ("__metadata__" in header)
         if all(raw.count(key) == tensors for key in _ENTRY_KEYS):
             return header
-    return json.loads(text, object_pairs_hook=reject_duplicates)
+    return json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicates)
 
 
 @contextlib.contextmanager
