@@ -335,3 +335,17 @@ def test_each_hosts_device_is_planned_against_its_own_hosts_memory(capsys, check
     assert code == 0 and doc["admitted"] and doc["selected_device"] == "big/cpu"
     small_verdict = next(v for v in doc["devices"] if v["device_id"] == "small/cpu")
     assert not small_verdict["selected"] and small_verdict["refusals"]
+
+
+def test_a_memory_refusal_on_the_named_devices_names_the_layout_that_fits_on_the_whole_list(capsys, checkpoints):
+    path, _ = checkpoints["l70"]
+    code, doc = _plan(capsys, "--model", str(path), "--devices", str(DATA / "devices-8xh100.json"),
+                      "--device-ids", "cuda:0")
+    assert code == 2 and not doc["admitted"] and doc["parallel"] is None
+    [refusal] = [r for r in doc["refusals"] if r["code"] == "budget_exceeds_device"]
+    # 131 GiB of weights: one 80 GiB card cannot, TP 4 on four of the list's eight can (the TP 4 test above).
+    assert "TP 4 on cuda:0,cuda:1,cuda:2,cuda:3" in refusal["remedy"]
+    assert "--device-ids cuda:0,cuda:1,cuda:2,cuda:3 --tensor-parallel-size 4" in refusal["remedy"]
+    code, doc = _plan(capsys, "--model", str(path), "--devices", str(DATA / "devices-2x4090.json"),
+                      "--device-ids", "cuda:0")
+    assert "beyond --device-ids" not in json.dumps(doc["refusals"])  # nothing on the whole list fits either

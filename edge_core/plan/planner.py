@@ -45,19 +45,48 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], h
     the label their devices carry in ``extras["host"]``.
     """
     request = parallel or ParallelRequest()
-    if request.device_ids:
-        devices = only_devices(devices, request.device_ids)
+    named = only_devices(devices, request.device_ids) if request.device_ids else devices
     try:
         source = resolve_model(str(model_path), revision)  # imports huggingface_hub for Hub ids only
     except ArtifactError as exc:
         return Plan(admitted=False, model_path=str(model_path), session=session, devices_source=devices_source,
                     refusals=(Refusal(code=exc.code, message=str(exc), remedy=exc.remedy),))
-    plan = _plan_path(source.path, session=session, devices=devices, host=host, registry=registry,
-                      devices_source=devices_source, digest_weights=digest_weights, ledger=ledger, hosts=hosts)
-    if plan.manifest is not None and plan.manifest.kind != "onnx" and not isinstance(plan, GraphStagePlan):
-        plan = plan_parallel(plan.manifest, plan, request=request, devices=devices, host=host, hosts=hosts,
-                             registry=registry, ledger=ledger, command_model=str(model_path))
+
+    def plan_on(candidates: list[Device], asked: ParallelRequest) -> Plan:
+        plan = _plan_path(source.path, session=session, devices=candidates, host=host, registry=registry,
+                          devices_source=devices_source, digest_weights=digest_weights, ledger=ledger, hosts=hosts)
+        if plan.manifest is not None and plan.manifest.kind != "onnx" and not isinstance(plan, GraphStagePlan):
+            plan = plan_parallel(plan.manifest, plan, request=asked, devices=candidates, host=host, hosts=hosts,
+                                 registry=registry, ledger=ledger, command_model=str(model_path))
+        return plan
+
+    plan = plan_on(named, request)
+    if not plan.admitted and plan.manifest is not None and len(named) < len(devices):
+        plan = _beyond_the_named_devices(plan, request, plan_on(devices, replace(request, device_ids=())))
     return replace(plan, source=source)
+
+
+def _beyond_the_named_devices(plan: Plan, request: ParallelRequest, wider: Plan) -> Plan:
+    """A plan refused on the devices ``--device-ids`` named, and ``wider``, the same request on every device.
+
+    When ``wider`` is admitted, each memory refusal's remedy names its layout
+    (or its one device): "nothing fits on cuda:0" comes with "TP 4 on
+    cuda:0..3 does".
+    """
+    if not wider.admitted or wider.selected_device is None:
+        return plan
+    if wider.parallel:
+        ids = ",".join(dict.fromkeys(str(r["device_id"]) for r in wider.parallel.get("ranks") or ()))
+        tp, pp = int(wider.parallel["tensor_parallel_size"]), int(wider.parallel["pipeline_parallel_size"])
+        flags = f"--device-ids {ids} --tensor-parallel-size {tp}" + (f" --pipeline-parallel-size {pp}" if pp > 1 else "")
+        what = f"{wider.parallel.get('label')} on {ids}"
+    else:
+        flags = f"--device-ids {wider.selected_device.device_id}"
+        what = f"{wider.selected_device.device_id} alone"
+    hint = f"beyond --device-ids {','.join(request.device_ids)}, {what} takes this session ({flags})"
+    refusals = tuple(replace(r, remedy=f"{r.remedy}; or {hint}") if r.code == "budget_exceeds_device" else r
+                     for r in plan.refusals)
+    return replace(plan, refusals=refusals)
 
 
 def only_devices(devices: list[Device], ids: Iterable[str]) -> list[Device]:

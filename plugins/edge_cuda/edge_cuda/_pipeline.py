@@ -29,6 +29,7 @@ def _release(version: str | None) -> str | None:
 
 
 def gate(device: Device, manifest: Any, share: Any) -> list[Refusal]:
+    """The ``SupportsPP`` refusal for ``device``'s share of a layout with ``pp > 1`` (may be empty)."""
     if share is None or share.layout.pp <= 1:
         return []
     distribution, version, root = installed_vllm()
@@ -37,7 +38,8 @@ def gate(device: Device, manifest: Any, share: Any) -> list[Refusal]:
         log.debug("pipeline parallelism not checked for %s: no vLLM is installed in this interpreter",
                   device.device_id)
         return []
-    runtime = str(device.extras.get("runtime") or "")
+    extras = device.extras if isinstance(device.extras, dict) else {}
+    runtime = str(extras.get("runtime") or "")
     wanted = _release(runtime.rpartition(" ")[2]) if runtime else None
     if wanted is not None and wanted != _release(version):
         log.debug("pipeline parallelism not checked for %s: it runs %s, this interpreter has %s",
