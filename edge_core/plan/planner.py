@@ -61,7 +61,8 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], h
         return plan
 
     plan = plan_on(named, request)
-    if not plan.admitted and plan.manifest is not None and len(named) < len(devices):
+    if (not plan.admitted and plan.manifest is not None and len(named) < len(devices)
+            and any(r.code == "budget_exceeds_device" for r in plan.refusals)):
         plan = _beyond_the_named_devices(plan, request, plan_on(devices, replace(request, device_ids=())))
     return replace(plan, source=source)
 
