@@ -564,7 +564,8 @@ def prepare_node_for(plan: Plan, node_id: int | None, progress: Callable[[str], 
     weights = int(getattr(plan.manifest, "weight_bytes", 0) or 0)
     predicted = int(plan.peak.predicted_bytes) if plan.peak is not None else kv_bytes + weights
     if ranks is not None and plan.parallel:
-        rows = [row for row in plan.parallel.get("ranks") or () if row.get("rank") in set(ranks)]
+        wanted = set(ranks)
+        rows = [row for row in plan.parallel.get("ranks") or () if row.get("rank") in wanted]
         kv_bytes = sum(int(row.get("kv_cache_bytes") or 0) for row in rows)
         weights = sum(int(row.get("weight_bytes") or 0) for row in rows)
         predicted = kv_bytes + weights

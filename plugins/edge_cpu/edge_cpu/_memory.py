@@ -240,8 +240,8 @@ def prepare_node(plan: Any, progress: Callable[[str], None] | None) -> Any:
     parallel = getattr(plan, "parallel", None) or {}
     bind = str((parallel.get("env") or {}).get("VLLM_CPU_OMP_THREADS_BIND") or "")
     lists = bind.split("|") if bind else []
-    if len(lists) <= 1 or not host.numa_nodes:
-        node = bound_node(host, {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else None)
+    if len(lists) <= 1 or not host.numa_nodes:  # one worker: the node the environment binds it to
+        node = bound_node(host)
         return prepare_node_for(plan, node.node_id if node is not None else None, progress)
     by_node: dict[int | None, list[int]] = {}
     for rank, cpus in enumerate(lists):
