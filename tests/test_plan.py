@@ -231,7 +231,10 @@ def test_a_kv_pool_no_numa_node_holds_splits_over_one_rank_per_node(monkeypatch,
     plan = plan_with_cpu(monkeypatch, llama8b, read_host(root), max_model_len=131072)
     # 8 KV heads split 2 ways: each rank's pool is half the 16 GiB, and fits node 0's 10 GiB.
     assert plan.admitted and plan.parallel is not None and plan.parallel["tensor_parallel_size"] == 2
-    assert plan.parallel["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
+    assert plan.parallel["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3", "TORCH_COMPILE_DISABLE": "1"}
+    # Compiled mode needs torch.compile: the plan leaves it on.
+    compiled = plan_with_cpu(monkeypatch, llama8b, read_host(root), max_model_len=131072, enforce_eager=False)
+    assert compiled.parallel is not None and compiled.parallel["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
     whole = _kv_for(dict(read_manifest(str(llama8b)).config), 131072)
     assert plan.engine_kwargs["kv_cache_memory_bytes"] < whole * 0.51
 

