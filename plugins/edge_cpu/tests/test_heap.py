@@ -81,7 +81,7 @@ def test_the_finder_wraps_the_worker_when_its_module_is_imported(tmp_path, monke
     sys.modules.pop(name, None)
 
 
-def test_other_imports_pass_the_finder_by(monkeypatch):
+def test_other_imports_pass_the_finder_by():
     finder = _heap.WrapOnImport("edge_test_never_imported", lambda: True)
     assert finder.find_spec("json", None) is None
 
