@@ -25,7 +25,7 @@ from factories import (
     write_checkpoint,
     write_safetensors_header_only,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edge_core import artifact
@@ -755,6 +755,7 @@ def test_arbitrary_bytes_as_an_onnx_graph(data):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6))
+@example(edits=[(114, 50)])  # found by this test: a DequantizeLinear node left with no output
 def test_corrupted_onnx_graph_is_refused_or_read(edits):
     onnx, model = qdq_graph(onnx_type("UINT16"))
     data = bytearray(model.SerializeToString())

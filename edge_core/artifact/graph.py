@@ -221,7 +221,8 @@ def _scheme(onnx: Any, tensors: list[tuple[str, Any]], nodes: list[Any]) -> dict
             # int32 initializers behind a DequantizeLinear are quantized biases, not weights.
             if source is not None and source != T.INT32:
                 bits = ONNX_DTYPE_BITS.get(_dtype_name(onnx, source))
-                constant_bits[node.output[0]] = bits
+                if node.output:  # a damaged graph's node may name no output; nothing then reads it
+                    constant_bits[node.output[0]] = bits
                 weight_bits.add(bits)
         elif node.op_type == "MatMulNBits":
             other_quant = f"onnx:w{next((a.i for a in node.attribute if a.name == 'bits'), 4)}-matmulnbits"
