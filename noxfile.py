@@ -84,7 +84,7 @@ def _pytest(session: nox.Session, *paths: str, marks: str | None = None) -> None
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """The layout kept by tools: ruff, mypy, and the layers contract in pyproject.toml."""
-    session.install(*LINT_TOOLS, "pluggy>=1.5,<2", "psutil>=5.9", "pytest>=8")
+    session.install(*LINT_TOOLS, "pluggy>=1.5,<2", "psutil>=5.9", "msgspec>=0.18", "pytest>=8")
     session.run("ruff", "check", "edge_core", "plugins", "examples", "tests", "bench", "scripts", "noxfile.py")
     session.run("mypy")
     # import-linter imports nothing: it reads the source, so the checkout itself is on the path.

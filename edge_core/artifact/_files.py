@@ -83,38 +83,30 @@ def read_bounded(path: str, what: str, code: str, root: str) -> tuple[bytes, int
     return data, size
 
 
-_FAST: list[Any] = []  # msgspec's decoder, made on first use (None when msgspec is not installed)
+_FAST: list[Any] = []  # msgspec's decoder, made on first use (msgspec costs ~5-10 ms to import)
 
 
 def _fast_decoder() -> Any:
     if not _FAST:
-        try:
-            import msgspec  # not a dependency: vLLM's (so every venv with a vLLM backend has it)
-        except ImportError:
-            _FAST.append(None)
-        else:
-            _FAST.append(msgspec.json.Decoder())
+        import msgspec
+
+        _FAST.append(msgspec.json.Decoder())
     return _FAST[0]
 
 
 def loads(data: bytes) -> Any:
     """The JSON document in ``data`` (UTF-8), as :func:`json.loads` reads it.
 
-    msgspec's decoder parses it when msgspec is installed (vLLM depends on
-    it, so every venv with edge-cpu or edge-cuda has it): DeepSeek-V3's 12 MB
-    of headers took 0.155 s there against 0.290 s in ``json.loads``
-    (measured here). It builds the same dicts, lists, strings and numbers;
-    anything it does not take (a byte-order mark, NaN, an integer past 64
-    bits, bad input) goes to ``json.loads``, which accepts or refuses it in
-    its own words.
+    msgspec's decoder parses it: DeepSeek-V3's 12 MB of headers took 0.155 s
+    there against 0.290 s in ``json.loads`` (measured here). It builds the
+    same dicts, lists, strings and numbers; anything it does not take (a
+    byte-order mark, NaN, an integer past 64 bits, bad input) goes to
+    ``json.loads``, which accepts or refuses it in its own words.
     """
-    decoder = _fast_decoder()
-    if decoder is not None:
-        try:
-            return decoder.decode(data)
-        except Exception:  # noqa: BLE001 - msgspec.DecodeError and friends: json.loads decides
-            pass
-    return json.loads(data.decode("utf-8-sig"))
+    try:
+        return _fast_decoder().decode(data)
+    except Exception:  # noqa: BLE001 - msgspec.DecodeError and friends: json.loads decides
+        return json.loads(data.decode("utf-8-sig"))
 
 
 def parse_json(data: bytes, what: str, code: str, root: str) -> Any:

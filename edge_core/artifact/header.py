@@ -7,14 +7,19 @@ data section exactly) and refused with a named error otherwise. Nothing here
 reads a tensor's bytes.
 
 Most of a large checkpoint's first plan is spent here (DeepSeek-V3: 90,369
-tensors in 12 MB of header JSON), so the checks ask each question of a whole
-column at once (``map`` over the entries, the ``set`` of types seen, tuple
-comparisons), in C: ~0.13 s for DeepSeek-V3's four headers where the loop over
-the tensors takes ~0.17 s, on the 2-core VM of docs/benchmarks.md. That fast
-pass only ever *accepts*; whenever it cannot (a bad entry, an odd shape, a gap)
-the careful per-tensor pass runs and names the first problem, as it always
-has. ``tests/test_header_speed_equivalence.py`` holds the two to the same
-verdicts. The parse itself runs with the cyclic garbage collector paused
+tensors in 12 MB of header JSON), so the fast pass (:func:`fast_columns`)
+has msgspec decode the header straight into typed entries, which checks each
+field's type and range in C as it parses (a known dtype, non-negative integer
+dimensions and offsets, at most 64 dimensions), and then asks the remaining
+questions of whole columns (the tiling, elements times bits against bytes):
+~0.12-0.19 s for DeepSeek-V3's four headers where parsing them into dicts
+and checking those took ~0.20-0.36 s, on the 2-core VM of
+docs/benchmarks.md. That fast pass only ever *accepts*; whenever it cannot (a
+bad entry, an odd shape, a gap, metadata anywhere but first) the careful
+pass (:func:`careful_header`) parses the header as JSON and walks the tensors
+one at a time, naming the first problem, as it always has.
+``tests/test_header_speed_equivalence.py`` holds the two to the same
+verdicts. Both run with the cyclic garbage collector paused
 (:func:`check_header`), which saved more than the column checks did.
 """
 
@@ -26,9 +31,10 @@ import json
 import math
 import operator
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, compress, islice, repeat
-from typing import Any, NamedTuple, NoReturn
+from typing import Annotated, Any, Literal, NamedTuple, NoReturn
 
 from ..errors import ArtifactError
 from ._files import loads, open_regular, reject_duplicates
@@ -70,7 +76,16 @@ FAST_MAX_DIMS = 64
 FAST_DIM_LIMIT = 1 << 63
 #: The keys of a tensor entry; a header whose raw text names each exactly once per tensor has no duplicates of them.
 _ENTRY_KEYS = (b'"dtype"', b'"shape"', b'"data_offsets"')
-_DTYPE, _SHAPE, _OFFSETS = (operator.itemgetter(k) for k in ("dtype", "shape", "data_offsets"))
+_DTYPE, _SHAPE, _OFFSETS = (operator.attrgetter(k) for k in ("dtype", "shape", "data_offsets"))
+_JSON_SPACE = rb"[ \t\n\r]*+"
+_JSON_STRING = rb'"(?:[^"\\]++|\\.)*+"'
+#: ``{"__metadata__": {...},`` at the start of a header, as the safetensors writer puts it: group 1 is the map
+#: (its keys and values strings; what they say is checked by parsing it), the match ends past the comma (or
+#: before the closing brace). It only locates the map; every byte of the header is still parsed.
+_METADATA_FIRST = re.compile(
+    _JSON_SPACE + rb'\{' + _JSON_SPACE + rb'"__metadata__"' + _JSON_SPACE + rb':' + _JSON_SPACE
+    + rb'(\{' + _JSON_SPACE + rb'(?:' + _JSON_STRING + _JSON_SPACE + rb':' + _JSON_SPACE + _JSON_STRING
+    + _JSON_SPACE + rb',?' + _JSON_SPACE + rb')*+\})' + _JSON_SPACE + rb'(?:,|(?=\}))')
 _ABSENT = object()
 
 
@@ -196,57 +211,87 @@ def check_header(root: str, shard: ShardHeader) -> ShardTensors:
 
 
 def _check_header(root: str, shard: ShardHeader) -> ShardTensors:
-    name = shard.name
-    try:
-        header = _parse_header(shard.raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        bad(root, name, f"has a header that is not JSON ({exc})")
-    if not isinstance(header, dict):
-        bad(root, name, "has a header that is not a JSON object")
-    metadata = header.pop("__metadata__", _ABSENT)
-    if metadata is not _ABSENT and (not isinstance(metadata, dict)
-                                    or not all(isinstance(v, str) for v in metadata.values())):
-        bad(root, name, "has __metadata__ that is not a map of strings")
-    data_bytes = shard.data_bytes
-    found = fast_columns(name, header, data_bytes)
-    return found if found is not None else careful_columns(root, name, header, data_bytes)
+    found = fast_columns(shard.name, shard.raw, shard.data_bytes)
+    return found if found is not None else careful_header(root, shard.name, shard.raw, shard.data_bytes)
 
 
-def fast_columns(name: str, entries: dict[str, Any], data_bytes: int) -> ShardTensors | None:
-    """The tensors of ``entries`` when every check passes, asked of whole columns; None when any might fail.
+def fast_columns(name: str, raw: bytes, data_bytes: int) -> ShardTensors | None:
+    """The tensors of header ``raw`` when every check passes; None when any might fail.
 
-    None is not a refusal: :func:`careful_columns` then decides, and names the
-    problem. The checks together are the careful ones: the sets of types seen
-    (``type(x) is int`` excludes bool), known dtypes, the ranges tiling
-    ``[0, data_bytes)`` end to end, and each tensor's elements times its bits
-    equal to its bytes times 8 (so no size is negative, none ends mid-byte).
+    None is not a refusal: :func:`careful_header` then decides, and names the
+    problem. The checks together are the careful ones. The typed decode takes
+    only JSON whose every entry has a dtype the loader knows, a shape of at
+    most :data:`FAST_MAX_DIMS` integers in ``[0, FAST_DIM_LIMIT)`` and two
+    non-negative integer offsets (never a bool or a float); the columns then
+    show the ranges tiling ``[0, data_bytes)`` end to end and each tensor's
+    elements times its bits equal to its bytes times 8 (so no size is
+    negative, none ends mid-byte). Counting each entry key in the text shows
+    no tensor or field was named twice (a decoder keeps the last of two).
+    ``__metadata__``, a map of strings, does not fit a typed entry: it is
+    taken only where writers put it, first, located by :data:`_METADATA_FIRST`
+    and parsed on its own; anywhere else, the careful pass reads it.
     """
-    infos = list(entries.values())
-    if not infos or set(map(type, infos)) != {dict}:
-        return None
+    entries_decoder, decode_error = _typed_decoder()
+    body = raw
+    metadata = _METADATA_FIRST.match(raw)
+    if metadata is not None:
+        if not _strings_only(metadata.group(1)):
+            return None
+        body = b"{" + raw[metadata.end():]
     try:
-        dtypes, shapes, offsets = list(map(_DTYPE, infos)), list(map(_SHAPE, infos)), list(map(_OFFSETS, infos))
-        kinds = set(dtypes)
-    except (KeyError, TypeError):  # a missing field, or an unhashable dtype
+        entries = entries_decoder.decode(body)
+    except decode_error:
         return None
-    if not _BITS.keys() >= kinds or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+    tensors = len(entries)
+    if not tensors or "__metadata__" in entries or not all(body.count(key) == tensors for key in _ENTRY_KEYS):
         return None
-    begins, ends = zip(*offsets)
-    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or not _tiles(begins, ends, data_bytes):
-        return None
-    if set(map(type, shapes)) != {list}:
-        return None
-    ndims = list(map(len, shapes))
-    dims = list(chain.from_iterable(shapes))
-    if max(ndims) > FAST_MAX_DIMS or (dims and (set(map(type, dims)) != {int} or min(dims) < 0
-                                                or max(dims) >= FAST_DIM_LIMIT)):
+    infos = list(entries.values())
+    dtypes, shapes = list(map(_DTYPE, infos)), list(map(_SHAPE, infos))
+    begins, ends = zip(*map(_OFFSETS, infos))
+    if not _tiles(begins, ends, data_bytes):
         return None
     nbytes = list(map(operator.sub, ends, begins))
     if not all(map(operator.eq, map(operator.mul, map(math.prod, shapes), map(_BITS.__getitem__, dtypes)),
                    map(operator.lshift, nbytes, repeat(3)))):
         return None
-    return ShardTensors(name=name, names=list(entries), dtypes=dtypes, nbytes=nbytes, ndims=ndims, dims=dims,
-                        dtype_bytes=_bytes_by_dtype(kinds, dtypes, nbytes, data_bytes))
+    return ShardTensors(name=name, names=list(entries), dtypes=dtypes, nbytes=nbytes, ndims=list(map(len, shapes)),
+                        dims=list(chain.from_iterable(shapes)),
+                        dtype_bytes=_bytes_by_dtype(set(dtypes), dtypes, nbytes, data_bytes))
+
+
+_TYPED: list[tuple[Any, type[Exception]]] = []  # the decoder and its error, made on first use
+
+
+def _typed_decoder() -> tuple[Any, type[Exception]]:
+    """msgspec's decoder of a header's tensor entries, and the error it raises on what it does not take.
+
+    Made on first use: msgspec costs ~5-10 ms to import, and only plans of
+    a checkpoint read headers.
+    """
+    if not _TYPED:
+        import msgspec
+
+        dim = Annotated[int, msgspec.Meta(ge=0, le=FAST_DIM_LIMIT - 1)]
+        entry = msgspec.defstruct("Entry", [
+            ("dtype", Literal[tuple(SAFETENSORS_DTYPES)]),
+            ("shape", Annotated[list[dim], msgspec.Meta(max_length=FAST_MAX_DIMS)]),
+            ("data_offsets", tuple[dim, dim]),
+        ], gc=False)  # gc=False: parsed entries hold no cycles
+        # A struct made at run time (its dtype literal is the table above) is no type to mypy.
+        _TYPED.append((msgspec.json.Decoder(dict[str, entry]), msgspec.DecodeError))  # type: ignore[valid-type]
+    return _TYPED[0]
+
+
+def _strings_only(metadata: bytes) -> bool:
+    """Whether ``metadata`` (one JSON object) maps each key to a string, as the loader's map of strings must.
+
+    A key named twice is not refused: the loader keeps the last, as the careful pass does.
+    """
+    try:
+        found = json.loads(metadata.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(found, dict) and all(type(value) is str for value in found.values())
 
 
 def _tiles(begins: Sequence[int], ends: Sequence[int], data_bytes: int) -> bool:
@@ -269,6 +314,21 @@ def _bytes_by_dtype(kinds: set[str], dtypes: list[str], nbytes: list[int], data_
     # The tensors tile the data section, so the first dtype holds what the others do not.
     totals[first] = data_bytes - sum(totals.values())
     return dict(sorted(totals.items()))
+
+
+def careful_header(root: str, name: str, raw: bytes, data_bytes: int) -> ShardTensors:
+    """The tensors of header ``raw``, parsed as JSON and checked one at a time; :class:`ArtifactError` names the first problem."""
+    try:
+        header = _parse_header(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        bad(root, name, f"has a header that is not JSON ({exc})")
+    if not isinstance(header, dict):
+        bad(root, name, "has a header that is not a JSON object")
+    metadata = header.pop("__metadata__", _ABSENT)
+    if metadata is not _ABSENT and (not isinstance(metadata, dict)
+                                    or not all(isinstance(v, str) for v in metadata.values())):
+        bad(root, name, "has __metadata__ that is not a map of strings")
+    return careful_columns(root, name, header, data_bytes)
 
 
 def careful_columns(root: str, name: str, entries: dict[str, Any], data_bytes: int) -> ShardTensors:
