@@ -200,10 +200,12 @@ class Registry:
 
     def _load_one(self, ep: Any) -> PluginRecord:
         dist = getattr(ep, "dist", None)
+        # Each of a distribution's ``name`` and ``version`` parses its METADATA file again (~1 ms); read it once.
+        about = getattr(dist, "metadata", None) or {}
         record = PluginRecord(
             name=ep.name,
-            distribution=getattr(dist, "name", None),
-            version=getattr(dist, "version", None),
+            distribution=about.get("Name"),
+            version=about.get("Version"),
             module=getattr(ep, "value", None),
         )
         if ep.name in self.block:

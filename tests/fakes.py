@@ -79,6 +79,11 @@ class FakeDist:
     name: str
     version: str = "0.0.1"
 
+    @property
+    def metadata(self) -> dict[str, str]:
+        """What importlib.metadata's ``Distribution.metadata`` gives: the METADATA file's fields."""
+        return {"Name": self.name, "Version": self.version}
+
 
 class FakeEntryPoint:
     """Stands in for an importlib.metadata entry point; ``load`` runs the given loader."""
