@@ -7,7 +7,9 @@ entry of tests/reference_set.py it writes the published checkpoint
 (header-only shards of the full tensor inventory) and times, in a fresh
 process each time, `edge plan --model DIR --json` on the recording host's
 device list (tests/data/vllm_cpu_reference.json): the median wall time of
-``--runs`` runs, and the plan's own ``decision_time_s``, twice:
+``--runs`` runs, the CPU seconds the process used (user + system: steadier
+than wall time on a shared VM whose speed drifts from minute to minute), and
+the plan's own ``decision_time_s``, twice:
 
 - cold: edge's header cache emptied before each run (the first plan of a
   checkpoint: every header parsed and checked);
@@ -50,10 +52,12 @@ TARGET_S = 0.5
 
 
 def timed(cmd: list[str], env: dict[str, str] | None = None,
-          cwd: str | None = None) -> tuple[float, subprocess.CompletedProcess[str]]:
-    started = time.perf_counter()
+          cwd: str | None = None) -> tuple[float, float, subprocess.CompletedProcess[str]]:
+    """Wall seconds, the child's CPU seconds (user + system) and the finished process."""
+    before, started = os.times(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
-    return time.perf_counter() - started, proc
+    wall, after = time.perf_counter() - started, os.times()
+    return wall, (after.children_user - before.children_user) + (after.children_system - before.children_system), proc
 
 
 def main() -> int:
@@ -71,7 +75,7 @@ def main() -> int:
         return in_process(ref, entries, args.runs)
     recorded = json.loads((ROOT / "tests" / "data" / "vllm_cpu_reference.json").read_text())["provenance"]
     kinds = ("cold", "warm", *(("before",) if args.before else ()))
-    rows: list[tuple[str, int, dict[str, tuple[float, float]]]] = []
+    rows: list[tuple[str, int, dict[str, tuple[float, float, float]]]] = []
     with tempfile.TemporaryDirectory(prefix="edge-bench-") as tmp:
         devices = Path(tmp) / "devices.json"
         devices.write_text(json.dumps(recorded["host_devices"]))
@@ -85,20 +89,20 @@ def main() -> int:
             before_env = dict(env, XDG_CACHE_HOME=str(Path(tmp) / "xdg-before"),
                               PYTHONPATH=os.pathsep.join([str(before), str(before / "plugins" / "edge_cpu")]))
 
-        def plan(model: Path, kind: str) -> tuple[float, float, str]:
+        def plan(model: Path, kind: str) -> tuple[float, float, float, str]:
             # ``-m`` puts the working directory first on sys.path: the earlier checkout runs from elsewhere.
-            wall, proc = timed([sys.executable, "-m", "edge_core", "plan", "--model", str(model), "--devices",
+            wall, cpu, proc = timed([sys.executable, "-m", "edge_core", "plan", "--model", str(model), "--devices",
                                 str(devices), "--json"], before_env if kind == "before" else env,
                                cwd=tmp if kind == "before" else None)
             doc = json.loads(proc.stdout)
             verdict = "admitted" if doc["admitted"] else ",".join(sorted({r["code"] for r in doc["refusals"]}))
-            return wall, doc["decision_time_s"], verdict
+            return wall, cpu, doc["decision_time_s"], verdict
 
         for entry in entries:
             model = ref.write_published(entry, Path(tmp) / entry.name)
             for kind in kinds:
                 plan(model, kind)  # primes XDG_CACHE_HOME (vLLM's parsed source) and this checkpoint's verdict
-            runs: dict[str, list[tuple[float, float, str]]] = {kind: [] for kind in kinds}
+            runs: dict[str, list[tuple[float, float, float, str]]] = {kind: [] for kind in kinds}
             for _ in range(args.runs):
                 for kind in kinds:
                     if kind == "cold":
@@ -106,22 +110,22 @@ def main() -> int:
                     elif kind == "before":  # the other checkout's first plan too: cold against cold
                         shutil.rmtree(Path(tmp) / "xdg-before" / "edge" / "headers", ignore_errors=True)
                     runs[kind].append(plan(model, kind))
-            verdicts = {run[2] for kind in ("cold", "warm") for run in runs[kind]}
+            verdicts = {run[3] for kind in ("cold", "warm") for run in runs[kind]}
             assert len(verdicts) == 1, (entry.repo, runs)
             tensors = len(ref.tensors_for(entry, entry.config))
-            medians = {kind: (statistics.median(r[0] for r in runs[kind]), statistics.median(r[1] for r in runs[kind]))
-                       for kind in kinds}
+            medians = {kind: tuple(statistics.median(r[i] for r in runs[kind]) for i in range(3)) for kind in kinds}
             rows.append((entry.repo, tensors, medians))
             print(f"{entry.repo:48s} {tensors:7d} tensors  " + "  ".join(
-                f"{kind} wall {wall:.3f} s decision {decision:.3f} s" for kind, (wall, decision) in medians.items())
+                f"{kind} wall {wall:.3f} s cpu {cpu:.3f} s decision {decision:.3f} s"
+                for kind, (wall, cpu, decision) in medians.items())
                 + f"  {verdicts.pop()}", flush=True)
     vllm = [timed([sys.executable, "-c", "import vllm"])[0] for _ in range(args.runs)]
     print(f"\nentries: {len(rows)}")
     for kind in kinds:
         worst = max(rows, key=lambda r: r[2][kind][0])
         print(f"{kind}: median wall {statistics.median(r[2][kind][0] for r in rows):.3f} s, worst "
-              f"{worst[2][kind][0]:.3f} s ({worst[0]}); worst decision_time_s "
-              f"{max(r[2][kind][1] for r in rows):.3f} s; under {TARGET_S} s: "
+              f"{worst[2][kind][0]:.3f} s ({worst[0]}); worst cpu {max(r[2][kind][1] for r in rows):.3f} s; "
+              f"worst decision_time_s {max(r[2][kind][2] for r in rows):.3f} s; under {TARGET_S} s: "
               f"{sum(r[2][kind][0] < TARGET_S for r in rows)} of {len(rows)}; worst wall / {TARGET_S} s target: "
               f"{worst[2][kind][0] / TARGET_S:.2f}")
     worst_warm = max(r[2]["warm"][0] for r in rows)
