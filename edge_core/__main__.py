@@ -1,5 +1,5 @@
 """``python -m edge_core`` is the ``edge`` command."""
 
-from .cli import main
+from .cli import console_main
 
-raise SystemExit(main())
+raise SystemExit(console_main())
