@@ -74,7 +74,8 @@ _BITS = {code: bits for code, (bits, _) in SAFETENSORS_DTYPES.items()}
 #: a handful of dimensions, each far below 2**63.
 FAST_MAX_DIMS = 64
 FAST_DIM_LIMIT = 1 << 63
-#: The keys of a tensor entry; a header whose raw text names each exactly once per tensor has no duplicates of them.
+#: The keys of a tensor entry; a header whose text (past a leading ``__metadata__``) names each exactly once per
+#: tensor has no duplicates of them.
 _ENTRY_KEYS = (b'"dtype"', b'"shape"', b'"data_offsets"')
 _DTYPE, _SHAPE, _OFFSETS = (operator.attrgetter(k) for k in ("dtype", "shape", "data_offsets"))
 _JSON_SPACE = rb"[ \t\n\r]*+"
@@ -317,7 +318,10 @@ def _bytes_by_dtype(kinds: set[str], dtypes: list[str], nbytes: list[int], data_
 
 
 def careful_header(root: str, name: str, raw: bytes, data_bytes: int) -> ShardTensors:
-    """The tensors of header ``raw``, parsed as JSON and checked one at a time; :class:`ArtifactError` names the first problem."""
+    """The tensors of header ``raw``, parsed as JSON and checked one at a time.
+
+    :class:`ArtifactError` names the first problem.
+    """
     try:
         header = _parse_header(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -82,7 +82,7 @@ def console_main() -> int:
 
     The interpreter's shutdown then runs its cyclic collector over every
     object still tracked (~23,000 after a plan), to find nothing worth
-    finalizing: ~17 ms of a 0.14 s ``edge plan`` on the 2-core VM of
+    finalizing: ~20 ms of a 0.14 s ``edge plan`` on the 2-core VM of
     docs/benchmarks.md. Freezing them first skips that walk; atexit handlers,
     thread joins, the flushing of stdout and stderr and the freeing of
     module state still run. Not in :func:`main`, which tests call in-process.
