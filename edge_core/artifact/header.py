@@ -289,10 +289,14 @@ def _strings_only(metadata: bytes) -> bool:
     A key named twice is not refused: the loader keeps the last, as the careful pass does.
     """
     try:
-        found = json.loads(metadata.decode("utf-8"))
+        return _is_string_map(json.loads(metadata.decode("utf-8")))
     except (UnicodeDecodeError, ValueError, RecursionError):
         return False
-    return isinstance(found, dict) and all(type(value) is str for value in found.values())
+
+
+def _is_string_map(metadata: Any) -> bool:
+    """Whether a parsed ``__metadata__`` is what the loader takes: a map of strings to strings."""
+    return isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values())
 
 
 def _tiles(begins: Sequence[int], ends: Sequence[int], data_bytes: int) -> bool:
@@ -329,8 +333,7 @@ def careful_header(root: str, name: str, raw: bytes, data_bytes: int) -> ShardTe
     if not isinstance(header, dict):
         bad(root, name, "has a header that is not a JSON object")
     metadata = header.pop("__metadata__", _ABSENT)
-    if metadata is not _ABSENT and (not isinstance(metadata, dict)
-                                    or not all(isinstance(v, str) for v in metadata.values())):
+    if metadata is not _ABSENT and not _is_string_map(metadata):
         bad(root, name, "has __metadata__ that is not a map of strings")
     return careful_columns(root, name, header, data_bytes)
 
