@@ -53,6 +53,13 @@ def test_healthy_plugin_is_loaded_and_devices_are_tagged_with_it(host):
     assert record.device_ids == ("gpu_discrete:toy",)
 
 
+def test_the_record_names_the_plugin_s_distribution_and_version(host):
+    # Read from the distribution's METADATA fields, as importlib.metadata gives them.
+    registry, _ = probe([FakeEntryPoint("toy", healthy, dist="edge-toy")], host)
+    record = registry.records["toy"]
+    assert (record.distribution, record.version) == ("edge-toy", "0.0.1")
+
+
 def test_import_error_is_a_status_and_others_still_work(host):
     registry, devices = probe([ep("broken", ImportError("No module named 'pynvml'")), ep("toy", healthy())], host)
     assert registry.records["broken"].status == "import_error"
