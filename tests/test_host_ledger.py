@@ -232,6 +232,7 @@ def _one_fits_not_two(model: Path) -> None:
     assert alone.admitted and alone.peak.admission_bytes * 2 > alone.capacity_bytes, "the premise of the race"
 
 
+@pytest.mark.slow  # two real `edge plan` racers, sleep-paced
 def test_two_sessions_started_at_the_same_instant_never_both_admit(ledger, tmp_path, llama8b):
     _one_fits_not_two(llama8b)
     results = _racers(tmp_path, llama8b, count=2)
@@ -240,6 +241,7 @@ def test_two_sessions_started_at_the_same_instant_never_both_admit(ledger, tmp_p
     assert hl.read_ledger().records == ()  # both exited: the winner's record went with it
 
 
+@pytest.mark.slow  # two real `edge plan` racers, sleep-paced
 def test_wait_queues_the_admission_until_the_holder_ends(ledger, tmp_path, llama8b):
     _one_fits_not_two(llama8b)
     results = _racers(tmp_path, llama8b, count=2, wait=30, hold=2)
@@ -257,6 +259,7 @@ def _edge_json(*args: str, env: dict[str, str]) -> dict:
 
 
 @pytest.mark.vllm
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NEEDS_ENGINE), reason=f"needs vLLM CPU and edge-cpu; missing: {NEEDS_ENGINE}")
 def test_a_serving_session_holds_its_bytes_until_killed_and_nothing_is_left(tmp_path):

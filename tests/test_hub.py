@@ -299,6 +299,7 @@ def test_a_refused_hub_model_downloads_nothing(hub, tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NEEDS_ENGINE), reason=f"needs vLLM CPU and edge-cpu; missing: {NEEDS_ENGINE}")
 def test_edge_run_downloads_runs_and_then_runs_offline_from_the_cache(hub, tmp_path):

@@ -243,6 +243,7 @@ def tree_of(pid: int) -> list[tuple[int, float, list[str]]]:
 
 
 @pytest.mark.vllm
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}")
 def test_kill_9_of_edge_run_leaves_no_engine_process(started):

@@ -28,6 +28,7 @@ MIB = 1 << 20
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 needs_vllm = [
     pytest.mark.vllm,
+    pytest.mark.engine,
     pytest.mark.slow,
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
 ]

@@ -32,6 +32,7 @@ from edge_core.runtime.serve import bind_listener
 NEEDS = [name for name in ("vllm", "edge_cpu", "openai") if importlib.util.find_spec(name) is None]
 needs_vllm = [
     pytest.mark.vllm,
+    pytest.mark.engine,
     pytest.mark.slow,
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build, edge-cpu and openai; missing: {NEEDS}"),
 ]
@@ -317,6 +318,7 @@ class TestRealServer:
 
 
 @pytest.mark.vllm
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build, edge-cpu and openai; missing: {NEEDS}")
 def test_sigint_exits_130_and_a_json_summary_is_written(tmp_path):
@@ -336,6 +338,7 @@ def test_sigint_exits_130_and_a_json_summary_is_written(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build, edge-cpu and openai; missing: {NEEDS}")
 @pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="two ranks need two cores")

@@ -22,6 +22,7 @@ from edge_core.stream import DeltaEvent, StageRequest, StreamRun
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 REAL_ENGINE = [
     pytest.mark.vllm,
+    pytest.mark.engine,
     pytest.mark.slow,
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
 ]

@@ -16,7 +16,7 @@ the probe time limit. The checks come in three groups:
 * **probe and planning** — device records well formed and JSON round-trippable,
   no raise on foreign hosts, ids unique and stable, planning hooks answering
   only for devices the backend reported, ``reserve_memory`` terms well formed;
-* **stage** (marked ``slow``) — ``start_stage`` -> ``stream`` -> ``cancel`` ->
+* **stage** (marked ``slow`` and ``engine``) — ``start_stage`` -> ``stream`` -> ``cancel`` ->
   ``stop_stage`` on a real device with :attr:`BackendConformance.stage_model`:
   delta-only events, sequence from 0, nothing of a retired epoch delivered,
   cancel idempotent, no process left behind, and the stage names the device
@@ -539,6 +539,7 @@ class BackendConformance:
         )
 
     @pytest.mark.slow
+    @pytest.mark.engine
     def test_hook_start_stage_reports_the_device_that_executed_it(self, stage_env: _StageEnv) -> None:
         stage = stage_env.started()
         executed_on = getattr(stage, "executed_on", None)
@@ -555,6 +556,7 @@ class BackendConformance:
         assert state.artifact_id == stage_env.plan.manifest.artifact_id
 
     @pytest.mark.slow
+    @pytest.mark.engine
     def test_hook_stream_yields_delta_events_in_sequence(self, stage_env: _StageEnv) -> None:
         # A non-zero epoch: the backend must carry the request's epoch, not assume 0.
         request = self._request(self.stage_max_tokens, epoch=3)
@@ -577,6 +579,7 @@ class BackendConformance:
         assert all(isinstance(e.text, str) for e in events)
 
     @pytest.mark.slow
+    @pytest.mark.engine
     def test_greedy_decoding_repeats(self, stage_env: _StageEnv) -> None:
         runs = [self._run(stage_env, self._request(self.stage_max_tokens)).collect(self.stage_idle_timeout_s)
                 for _ in range(2)]
@@ -584,6 +587,7 @@ class BackendConformance:
         assert first == second, "greedy decoding of the same prompt gave different token ids"
 
     @pytest.mark.slow
+    @pytest.mark.engine
     def test_hook_cancel_retires_the_epoch_and_is_idempotent(self, stage_env: _StageEnv) -> None:
         request = self._request(self.cancel_max_tokens, epoch=1)
         # One event of room: after the first is read, the producer fills the queue and
@@ -614,6 +618,7 @@ class BackendConformance:
         assert sum(len(e.token_ids) for e in after) == self.stage_max_tokens
 
     @pytest.mark.slow
+    @pytest.mark.engine
     def test_hook_stop_stage_leaves_nothing_running(self, stage_env: _StageEnv) -> None:
         stage_env.started()
         children_before, threads_before = stage_env.children_before, stage_env.threads_before
