@@ -17,6 +17,9 @@ from fakes import FakeEntryPoint, write_host_tree  # noqa: E402
 
 # The header-verdict cache of the suite's checkpoints stays out of the user's ~/.cache (subprocesses inherit it).
 os.environ.setdefault("EDGE_HEADER_CACHE_DIR", tempfile.mkdtemp(prefix="edge-test-headers-"))
+# Plans see the suite's own sessions only: a developer's live `edge serve` on this host would otherwise hold
+# memory in the ledger every plan reads, and refuse the suite's checkpoints (`device_committed`).
+os.environ.setdefault("EDGE_LEDGER_DIR", tempfile.mkdtemp(prefix="edge-test-ledger-"))
 
 
 @pytest.fixture

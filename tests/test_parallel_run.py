@@ -1,10 +1,11 @@
-"""vLLM CPU's tensor parallel run end to end: `edge run`, `accept` and `parity` with `--tensor-parallel-size 2`.
+"""vLLM CPU's tensor parallel run end to end: `edge accept` and `parity` with `--tensor-parallel-size 2`.
 
 Two ranks on this host's cores (``VLLM_CPU_OMP_THREADS_BIND="0|1"`` on a
 2-core machine; vLLM's default binding asserts without NUMA nodes), each
 with the plan's per-rank KV pool; the run's measured peak is checked against
 the plan that budgets both rank processes, and nothing is left running.
-Ctrl-C of a TP 2 run is tests/test_run.py's Ctrl-C test, parametrized.
+One acceptance run's record serves the run checks and the acceptance checks;
+`edge run` with TP 2 is tests/test_run.py's Ctrl-C test, parametrized.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import psutil
 import pytest
 
+from edge_core.runtime import ACCEPT_TOKENS
+
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 pytestmark = [
     pytest.mark.vllm,
@@ -28,14 +31,22 @@ pytestmark = [
 ]
 
 
-def test_tp2_runs_on_vllm_cpu_with_per_rank_kv_and_leaves_nothing_running(tmp_path):
-    env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
-    proc = subprocess.run([sys.executable, "-m", "edge_core", "run", "--tensor-parallel-size", "2",
-                           "--prompt", "Hello there", "--max-tokens", "8", "--ignore-eos", "--json"],
-                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads(proc.stdout)
-    assert record["outcome"] == "completed" and len(record["token_ids"]) == 8
+@pytest.fixture(scope="module")
+def tp2_accept(tmp_path_factory):
+    """One TP 2 acceptance run, read by the tests below (its record holds a run's plan, stage and memory)."""
+    tmp = tmp_path_factory.mktemp("accept-tp2")
+    record = tmp / "accept.json"
+    env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp / "ledger")}
+    proc = subprocess.run([sys.executable, "-m", "edge_core", "accept", "--tensor-parallel-size", "2",
+                           "--json", str(record)], capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL, env=env)
+    assert record.exists(), proc.stderr[-3000:]
+    return proc, json.loads(record.read_text())
+
+
+def test_tp2_runs_on_vllm_cpu_with_per_rank_kv_and_leaves_nothing_running(tp2_accept):
+    _, record = tp2_accept
+    assert all(len(p["token_ids"]) == ACCEPT_TOKENS for p in record["prompts"]), [len(p["token_ids"]) for p in record["prompts"]]
     plan = record["plan"]
     parallel = plan["parallel"]
     assert parallel["tensor_parallel_size"] == 2 and parallel["executor"] == "mp"
@@ -54,14 +65,9 @@ def test_tp2_runs_on_vllm_cpu_with_per_rank_kv_and_leaves_nothing_running(tmp_pa
     assert memory["verdict"] != "under_predicted", memory
 
 
-def test_accept_with_tp2_passes_every_criterion(tmp_path):
+def test_accept_with_tp2_passes_every_criterion(tp2_accept):
     """Twelve prompts streamed through both ranks, the budget against the tree's peak, a leak-free cancel."""
-    record = tmp_path / "accept.json"
-    env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
-    proc = subprocess.run([sys.executable, "-m", "edge_core", "accept", "--tensor-parallel-size", "2",
-                           "--json", str(record)], capture_output=True, text=True, timeout=900,
-                          stdin=subprocess.DEVNULL, env=env)
-    doc = json.loads(record.read_text())
+    proc, doc = tp2_accept
     assert proc.returncode == 0, (doc.get("failed"), proc.stderr[-3000:])
     assert doc["outcome"] == "passed" and doc["failed"] == []
     assert doc["plan"]["parallel"]["tensor_parallel_size"] == 2
