@@ -112,6 +112,9 @@ HOST_SECTION_FIELDS: dict[str, FieldSpec] = {
                   "a list of flag names such as ['avx2']"),
     "is_wsl": (False, lambda v: isinstance(v, bool), "true or false"),
     "hostname": (False, lambda v: isinstance(v, str), "a string"),
+    "allowed_cpus": (False, lambda v: v is None or _is_count_list(v), "a list of CPU numbers"),
+    "cpu_quota_cores": (False, lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                       and v > 0), "a number of cores > 0, or null"),
     "numa_nodes": (False, lambda v: v is None or isinstance(v, list), "a list of node objects"),
 }
 NUMA_NODE_FIELDS: dict[str, FieldSpec] = {
