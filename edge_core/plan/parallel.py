@@ -231,23 +231,33 @@ def valid_tp_sizes(manifest: Manifest, limit: int = MAX_LISTED_TP) -> list[int]:
     return [k for k in range(1, limit + 1) if not tp_problems(manifest, k)]
 
 
-def layout_refusals(manifest: Manifest, layout: Layout, device_id: str | None = None) -> list[Refusal]:
-    """``parallel_layout_invalid`` for each dimension ``layout`` cannot split, with the sizes that would work."""
+def layout_refusals(manifest: Manifest, layout: Layout, device_id: str | None = None,
+                    max_ranks: int | None = None) -> list[Refusal]:
+    """``parallel_layout_invalid`` for each dimension ``layout`` cannot split, with the sizes that would work.
+
+    ``max_ranks`` is how many ranks the devices at hand can host
+    (:func:`rank_capacity`): a size listed as an alternative fits it too.
+    """
     refusals = []
-    sizes = valid_tp_sizes(manifest)
+    limit = MAX_LISTED_TP if max_ranks is None else max(min(MAX_LISTED_TP, max_ranks // max(layout.pp, 1)), 1)
+    sizes = valid_tp_sizes(manifest, limit)
+    where = f"up to {limit}" if max_ranks is None else f"up to {limit}, the ranks the devices here can host,"
     for dimension, message, values in tp_problems(manifest, layout.tp):
         refusals.append(Refusal(
             code="parallel_layout_invalid", device_id=device_id,
             message=f"tensor parallel size {layout.tp}: {message}",
-            remedy=f"use --tensor-parallel-size {' or '.join(map(str, sizes))} (the sizes up to "
-                   f"{MAX_LISTED_TP} every dimension divides by), or pipeline parallelism (--pipeline-parallel-size)",
+            remedy=f"use --tensor-parallel-size {' or '.join(map(str, sizes))} (the sizes {where} that "
+                   "every dimension divides by), or pipeline parallelism (--pipeline-parallel-size)",
             details={"dimension": dimension, "tensor_parallel_size": layout.tp, **values,
                      "valid_tensor_parallel_sizes": sizes}))
     for dimension, message, values in pp_problems(manifest, layout.pp):
+        most = values["num_hidden_layers"]
+        if max_ranks is not None:
+            most = max(min(most, max_ranks // max(layout.tp, 1)), 1)
         refusals.append(Refusal(
             code="parallel_layout_invalid", device_id=device_id,
             message=f"pipeline parallel size {layout.pp}: {message}",
-            remedy=f"use at most --pipeline-parallel-size {values['num_hidden_layers']}",
+            remedy=f"use at most --pipeline-parallel-size {most}",
             details={"dimension": dimension, "pipeline_parallel_size": layout.pp, **values}))
     return refusals
 
@@ -427,20 +437,41 @@ EAGER_TP_CPU_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 
 
 def cpu_bind_list(host: HostFacts | None, ranks: int) -> str | None:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU ranks: one NUMA node each where there are
-    enough nodes, else the host's cores cut into ``ranks`` contiguous runs (``"0|1"`` on 2 cores)."""
-    if host is None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU ranks on the CPUs this process may use.
+
+    One allowed NUMA node each where there are enough, else the allowed CPUs cut
+    into ``ranks`` contiguous runs (``"0|1"`` on 2 cores); a cgroup quota caps
+    each rank at its share of the quota. None when the host has fewer usable
+    cores than ranks (edge-cpu's gate refuses that layout by name).
+    """
+    if host is None or ranks > host.usable_cores:
         return None
-    nodes = [n for n in host.numa_nodes if n.cpus]
+    nodes = host.allowed_nodes()
+    cap = max(host.usable_cores // ranks, 1) if host.cpu_quota_cores is not None else None
     if len(nodes) >= ranks:
-        groups = [list(n.cpus) for n in nodes[:ranks]]
+        groups = [list(n.cpus)[:cap] for n in nodes[:ranks]]
     else:
-        cpus = sorted({c for n in nodes for c in n.cpus}) or list(range(host.logical_cores))
-        if len(cpus) < ranks:
-            return None
-        size = len(cpus) // ranks
+        cpus = list(host.usable_cpus)
+        size = min(len(cpus) // ranks, cap or len(cpus))
         groups = [cpus[i * size:(i + 1) * size] for i in range(ranks)]
     return "|".join(_ranges(g) for g in groups)
+
+
+def rank_capacity(group: Mapping[str, list[Device]], facts: Mapping[str, HostFacts | None]) -> int | None:
+    """How many ranks a group of like devices can host: one per device, or on vLLM CPU one per usable core.
+
+    None when a CPU host's facts are unknown (nothing to cap by).
+    """
+    first = next(iter(group.values()))[0]
+    if first.kind != "cpu":
+        return sum(len(v) for v in group.values())
+    total = 0
+    for host in group:
+        known = facts.get(host)
+        if known is None:
+            return None
+        total += known.usable_cores
+    return total
 
 
 def _ranges(cpus: Iterable[int]) -> str:
@@ -544,7 +575,7 @@ def _groups(devices: list[Device]) -> list[dict[str, list[Device]]]:
 def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manifest, session: SessionSpec,
                 host_facts: Mapping[str, HostFacts | None], registry: Registry | None, devices: list[Device],
                 ledger: LedgerView | None) -> _Attempt:
-    attempt = _Attempt(layout, layout_refusals(manifest, layout))
+    attempt = _Attempt(layout, layout_refusals(manifest, layout, max_ranks=rank_capacity(group, host_facts)))
     if attempt.refusals:
         return attempt
     config = _text(manifest)
@@ -638,7 +669,8 @@ def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest,
         first = next(iter(group.values()))[0]
         if first.kind == "cpu":
             group = dict(list(group.items())[:1])  # vLLM CPU ranks are planned on one host
-            nodes = len(getattr(facts.get(host_of(first)), "numa_nodes", ()) or ())
+            known = facts.get(host_of(first))
+            nodes = min(len(known.allowed_nodes()), known.usable_cores) if known is not None else 0
             per_host = [request.tp * (request.pp or 1) if request.tp else (request.pp or max(nodes, 1))]
         else:
             per_host = [len(v) for v in group.values()]
