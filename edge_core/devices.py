@@ -221,6 +221,18 @@ class Device:
             return "masked"
         return "runnable" if self.runnable else "not here"
 
+    @property
+    def local_id(self) -> str:
+        """The id its backend gave the device on its own host: ``device_id`` without a multi-host plan's ``HOST/``.
+
+        A backend recognises its devices by this (or by ``backend``), never by
+        the literal ``device_id``: a plan across hosts renames every device
+        ``HOST/ID`` (``extras["host"]`` is ``HOST``), and only the name changes.
+        """
+        host = self.extras.get("host")
+        prefix = f"{host}/"
+        return self.device_id[len(prefix):] if host and self.device_id.startswith(prefix) else self.device_id
+
     def replace(self, **changes: Any) -> Device:
         return dataclasses.replace(self, **changes)
 
