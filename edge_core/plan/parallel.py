@@ -3,7 +3,8 @@
 When no single device takes the session (or the user pins a layout), the
 planner tries groups of like devices: the same backend, kind, model and
 memory (vLLM's tensor parallelism assumes identical ranks), on one host
-first, then across hosts on vLLM's Ray path. The smallest group that fits
+first, then across hosts on vLLM's multiprocessing executor in its
+multi-node mode (Ray only when chosen, where the platform has it). The smallest group that fits
 wins (fewest devices), tensor parallel before pipeline parallel.
 
 Everything vLLM checks late is decided here first, as ``parallel_layout_invalid``
@@ -45,9 +46,14 @@ if TYPE_CHECKING:
 VOCAB_PADDING_SIZE = 64
 #: Largest tensor-parallel size a refusal lists as an alternative.
 MAX_LISTED_TP = 16
-#: vLLM's executor backends: processes on one host, Ray across hosts.
-EXECUTOR_ONE_HOST = "mp"
-EXECUTOR_MULTI_HOST = "ray"
+#: vLLM's executor backends: its multiprocessing executor (one host, or several nodes joined by
+#: ``nnodes``/``node_rank``/``master_addr``), and Ray, chosen explicitly (``--distributed-executor-backend``).
+EXECUTOR_MP = "mp"
+EXECUTOR_RAY = "ray"
+EXECUTORS = (EXECUTOR_MP, EXECUTOR_RAY)
+#: The port the head's multi-node executor listens on when the user names none (vLLM's
+#: ``--master-port`` default, ``ParallelConfig.master_port``).
+MASTER_PORT = 29501
 #: Ray's default GCS port, the one ``ray start --head`` listens on.
 RAY_HEAD_PORT = 6379
 
@@ -71,24 +77,30 @@ class Layout:
     tp: int = 1
     pp: int = 1
     hosts: int = 1
+    #: vLLM's executor: ``mp`` (multi-node across hosts) unless Ray was chosen.
+    executor: str = EXECUTOR_MP
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
 
     @property
-    def executor(self) -> str:
-        return EXECUTOR_MULTI_HOST if self.hosts > 1 else EXECUTOR_ONE_HOST
+    def ranks_per_host(self) -> int:
+        """vLLM's ``local_world_size``: node ``i`` runs ranks ``i * this`` to ``(i + 1) * this - 1``."""
+        return self.world_size // self.hosts
 
     def label(self) -> str:
         parts = [f"TP {self.tp}"] + ([f"PP {self.pp}"] if self.pp > 1 else [])
-        return " x ".join(parts) + (f" over {self.hosts} hosts" if self.hosts > 1 else "")
+        return (" x ".join(parts) + (f" over {self.hosts} hosts" if self.hosts > 1 else "")
+                + (" on Ray" if self.executor == EXECUTOR_RAY else ""))
 
     def flags(self) -> str:
         """The edge command-line flags that pin this layout."""
         out = f"--tensor-parallel-size {self.tp}"
         if self.pp > 1:
             out += f" --pipeline-parallel-size {self.pp}"
+        if self.executor != EXECUTOR_MP:
+            out += f" --distributed-executor-backend {self.executor}"
         return out
 
 
@@ -401,7 +413,8 @@ def mixed_group_refusal(devices: list[Device]) -> Refusal | None:
                    details={"dimension": "devices", "devices": [d.device_id for d in devices]})
 
 
-def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None = None) -> list[Layout]:
+def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None = None,
+                      executor: str = EXECUTOR_MP) -> list[Layout]:
     """Layouts to try: one host before several, TP before PP, then fewest devices.
 
     ``per_host`` is how many like devices each host has, largest first. On
@@ -409,9 +422,9 @@ def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None
     pipeline stage: TP splits every rank's KV pool and weights alike and keeps
     all ranks busy, PP within a host only helps where TP cannot divide the
     model. Across hosts TP stays within a host (its all-reduce runs every
-    layer) and each host runs whole pipeline stages on vLLM's Ray path; a
-    layout one host could run alone is never spread over two. A pinned
-    ``tp``/``pp`` keeps only layouts of that size.
+    layer) and each host runs whole pipeline stages; a layout one host could
+    run alone is never spread over two. A pinned ``tp``/``pp`` keeps only
+    layouts of that size; every layout runs on ``executor``.
     """
     if not per_host:
         return []
@@ -421,7 +434,7 @@ def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None
         each = per_host[hosts - 1]  # the smallest of the hosts used
         found += [Layout(t, q * hosts, hosts) for t in range(1, each + 1) for q in range(1, each // t + 1)
                   if t * q * hosts > most]
-    found = [l for l in found if (tp is None or l.tp == tp) and (pp is None or l.pp == pp)]
+    found = [replace(l, executor=executor) for l in found if (tp is None or l.tp == tp) and (pp is None or l.pp == pp)]
     return sorted(found, key=lambda l: (l.hosts, l.pp, l.world_size))
 
 
@@ -503,33 +516,44 @@ class RankBudget:
                 "kv_cache_bytes": self.kv_cache_bytes}
 
 
-def ray_commands(hosts: list[str], model: str, layout: Layout, device_files: list[str]) -> list[dict[str, str]]:
-    """What to run where to bring a multi-host plan up on vLLM's Ray path (vLLM's multi-node recipe).
+def node_commands(hosts: list[str], model: str, layout: Layout, device_files: list[str],
+                  master_port: int = MASTER_PORT) -> list[dict[str, Any]]:
+    """What to run on each host to bring a multi-host plan up: one ``edge serve`` per node, joined by vLLM's
+    multi-node executor (``--nnodes``, ``--node-rank``, ``--master-addr`` the first host).
 
-    ``ray start --head`` on the first host, ``ray start --address=HEAD:6379``
-    on the others, then the server on the head with TP = devices per host and
-    PP = stages, on the Ray executor (the plan's engine arguments say
-    ``distributed_executor_backend="ray"``). Every host needs the same runtime
-    build (a gate of the plan) and the model at the same path; the head plans
-    again from every host's device list.
+    Node 0 serves; a node past it runs its ranks headless. Each plans its own
+    ranks against its own devices, so no command carries a device list; every
+    host needs the same runtime build (a gate of this plan) and the model at the
+    same path. On Ray (chosen, and only where vLLM's platform has it) the
+    cluster comes first: ``ray start --head`` on the first host, ``ray start
+    --address`` on the others, then one ``edge serve`` on the head, which
+    plans every host from its device list.
     """
     head = hosts[0]
-    lists = " ".join(f"--devices {path}" for path in device_files)
-    out = [{"host": head, "command": f"ray start --head --port={RAY_HEAD_PORT}"}]
-    out += [{"host": other, "command": f"ray start --address={head}:{RAY_HEAD_PORT}"} for other in hosts[1:]]
-    out.append({"host": head, "command": f"edge serve --model {model} {lists} {layout.flags()}".replace("  ", " ")})
-    return out
+    if layout.executor == EXECUTOR_RAY:
+        out: list[dict[str, Any]] = [{"host": head, "command": f"ray start --head --port={RAY_HEAD_PORT}"}]
+        out += [{"host": other, "command": f"ray start --address={head}:{RAY_HEAD_PORT}"} for other in hosts[1:]]
+        lists = "".join(f" --devices {path}" for path in device_files)
+        out.append({"host": head, "command": f"edge serve --model {model}{lists} {layout.flags()}"})
+        return out
+    return [{"host": host, "node_rank": rank,
+             "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
+             "command": f"edge serve --model {model} {layout.flags()} --nnodes {len(hosts)} --node-rank {rank} "
+                        f"--master-addr {head} --master-port {master_port}"}
+            for rank, host in enumerate(hosts)]
 
 
 # ------------------------------------------------------------------ planning
 
 @dataclass(frozen=True)
 class ParallelRequest:
-    """What the user pinned: ``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--device-ids``."""
+    """What the user pinned: ``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--device-ids``,
+    ``--distributed-executor-backend`` (None: ``mp``)."""
 
     tp: int | None = None
     pp: int | None = None
     device_ids: tuple[str, ...] = ()
+    executor: str | None = None
 
     @property
     def pinned(self) -> bool:
@@ -538,7 +562,7 @@ class ParallelRequest:
 
     def to_dict(self) -> dict[str, Any]:
         return {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
-                "device_ids": list(self.device_ids)}
+                "device_ids": list(self.device_ids), "executor": self.executor}
 
 
 def groupable(device: Device) -> bool:
@@ -589,13 +613,9 @@ def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manife
     placed: dict[str, list[int]] = {}
     where: dict[int, Device] = {}
     for rank in range(layout.world_size):
-        pp_rank, tp_rank = divmod(rank, layout.tp)
-        if first.kind == "cpu":
-            device = first  # vLLM CPU's ranks share the host's CPU, each bound to its own cores
-        else:
-            stages_per_host = layout.pp // layout.hosts
-            host = hosts[pp_rank // stages_per_host]
-            device = group[host][(pp_rank % stages_per_host) * layout.tp + tp_rank]
+        node, local = divmod(rank, layout.ranks_per_host)  # vLLM's multi-node numbering
+        # vLLM CPU's ranks share their host's CPU, each bound to its own cores; a GPU runs one rank.
+        device = group[hosts[node]][0 if first.kind == "cpu" else local]
         placed.setdefault(device.device_id, []).append(rank)
         where[rank] = device
     by_id = {d.device_id: d for hosted in group.values() for d in hosted}
@@ -631,12 +651,12 @@ def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manife
 
 
 def _host_refusals(group: dict[str, list[Device]], hosts: list[str]) -> list[Refusal]:
-    """Every host of a Ray layout runs the same runtime build and version (read from the device documents)."""
+    """Every host of a multi-host layout runs the same runtime build and version (read from the device documents)."""
     builds = {h: (group[h][0].extras or {}).get("runtime") for h in hosts}
     if None in builds.values() or len(set(builds.values())) > 1:
         rows = ", ".join(f"{h}: {b or 'not recorded'}" for h, b in builds.items())
         return [Refusal(code="parallel_layout_invalid", device_id=group[hosts[0]][0].device_id,
-                        message=f"the hosts of one Ray layout must run the same vLLM build and version; the "
+                        message=f"the hosts of one multi-node layout must run the same vLLM build and version; the "
                                 f"device documents say {rows}",
                         remedy="install the same edge backend and vLLM version on every host, then capture each "
                                "host's list again with `edge devices --json`",
@@ -665,16 +685,23 @@ def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest,
     groups = _groups(devices)
     tried: list[_Attempt] = []
     best: _Attempt | None = None
+    executor = request.executor or EXECUTOR_MP
     for group in groups:
         first = next(iter(group.values()))[0]
-        if first.kind == "cpu":
-            group = dict(list(group.items())[:1])  # vLLM CPU ranks are planned on one host
+        if first.kind == "cpu" and request.device_ids and len(group) > 1:
+            # CPUs named on several hosts: the pinned ranks spread evenly over them, a node per host.
+            world = (request.tp or 1) * (request.pp or 1)
+            layouts = [Layout(request.tp or 1, request.pp or 1, len(group), executor)] \
+                if world % len(group) == 0 else []
+        elif first.kind == "cpu":
+            group = dict(list(group.items())[:1])  # unnamed, vLLM CPU ranks are planned on one host
             known = facts.get(host_of(first))
             nodes = min(len(known.allowed_nodes()), known.usable_cores) if known is not None else 0
             per_host = [request.tp * (request.pp or 1) if request.tp else (request.pp or max(nodes, 1))]
+            layouts = candidate_layouts(per_host, request.tp, request.pp, executor)
         else:
-            per_host = [len(v) for v in group.values()]
-        for layout in candidate_layouts(per_host, request.tp, request.pp):
+            layouts = candidate_layouts([len(v) for v in group.values()], request.tp, request.pp, executor)
+        for layout in layouts:
             if best is not None and layout.world_size >= best.layout.world_size:
                 break
             attempt = _try_layout(layout, group, manifest, session, facts, registry, devices, ledger)
@@ -702,10 +729,12 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     kwargs["tensor_parallel_size"] = layout.tp
     kwargs["pipeline_parallel_size"] = layout.pp
     kwargs["distributed_executor_backend"] = layout.executor
+    if layout.hosts > 1 and layout.executor == EXECUTOR_MP:
+        kwargs.update(nnodes=layout.hosts, node_rank=0, master_addr=attempt.hosts[0], master_port=MASTER_PORT)
     env: dict[str, str] = {}
     unpinned: str | None = None
     if device.kind == "cpu":
-        bind = cpu_bind_list(facts.get(host_of(device)), layout.world_size)
+        bind = cpu_bind_list(facts.get(host_of(device)), layout.ranks_per_host)
         if bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         if layout.tp > 1 and session.enforce_eager:
@@ -722,7 +751,8 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
                      "peak": o.peak.to_dict() if o.peak is not None else None,
                      "capacity_bytes": o.capacity_bytes, "reservations": [t.to_dict() for t in o.reservations]}
                     for d, s, o in attempt.outcomes],
-        "commands": ray_commands(attempt.hosts, command_model or manifest.path, layout, _device_files(single))
+        "nnodes": layout.hosts,
+        "commands": node_commands(attempt.hosts, command_model or manifest.path, layout, _device_files(single))
         if layout.hosts > 1 else [],
     }
     chosen = {d.device_id: (s, o) for d, s, o in attempt.outcomes}

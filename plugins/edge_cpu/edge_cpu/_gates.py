@@ -159,6 +159,24 @@ def _cpu_list(cpus: tuple[int, ...]) -> str:
     return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
+#: What vLLM CPU 0.32 raises when asked for Ray: its platform has no Ray device key
+#: (``ray_device_key`` is empty, ``initialize_ray_cluster`` in ``vllm/v1/executor/ray_utils.py``).
+RAY_CPU_ERROR = "current platform cpu does not support ray"
+
+
+def executor_refusals(device: Device, share: DeviceShare | None) -> list[Refusal]:
+    """A layout on vLLM's Ray executor: vLLM CPU cannot run one (may be empty)."""
+    if share is None or share.layout.executor != "ray":
+        return []
+    return [Refusal(
+        code="parallel_layout_invalid", device_id=device.device_id,
+        message=f"vLLM CPU cannot run on Ray: vLLM 0.32 raises {RAY_CPU_ERROR!r} before any worker starts",
+        remedy="leave out --distributed-executor-backend ray: across hosts vLLM CPU runs on vLLM's multiprocessing "
+               "executor (edge serve --nnodes N --node-rank R --master-addr HEAD on each host)",
+        details={"dimension": "executor", "executor": "ray", "measured": RAY_CPU_ERROR},
+    )]
+
+
 def core_refusals(device: Device, host: HostFacts, share: DeviceShare | None) -> list[Refusal]:
     """More vLLM CPU ranks on this host than cores this process may use (may be empty).
 
@@ -249,6 +267,7 @@ def gate(device: Device, manifest: Any, session: Any, host: HostFacts, reservati
     refusals = architecture_refusals(src, device, manifest)
     if refusals:
         return refusals  # nothing else matters when vLLM has no model class for it
+    refusals += executor_refusals(device, share)
     refusals += core_refusals(device, host, share)
     refusals += pipeline_refusals(src, device, manifest, share)
     refusals += multimodal_refusals(src, device, manifest)
