@@ -19,11 +19,18 @@ def test_local_id_is_the_id_before_the_host_prefix():
     assert _device("node-a/cuda:1", "node-a").replace(device_id="node-a/cuda:1").local_id == "cuda:1"
 
 
-def test_each_node_gets_its_command_and_its_ranks():
-    commands = node_commands(["a", "b"], "/m", Layout(tp=2, pp=2, hosts=2), [])
+def test_each_node_gets_its_vllm_command_and_its_ranks():
+    kwargs = {"max_model_len": 2048, "enforce_eager": True, "kv_cache_memory_bytes": 1024}
+    env = {"a": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "b": {"VLLM_CPU_OMP_THREADS_BIND": "4|5"}}
+    commands = node_commands(["a", "b"], "/m", Layout(tp=2, pp=2, hosts=2), [], kwargs, env)
     assert [(c["host"], c["node_rank"], c["ranks"]) for c in commands] == [("a", 0, [0, 1]), ("b", 1, [2, 3])]
-    assert commands[1]["command"] == ("edge serve --model /m --tensor-parallel-size 2 --pipeline-parallel-size 2 "
-                                      "--nnodes 2 --node-rank 1 --master-addr a --master-port 29501")
+    assert commands[0]["command"] == (
+        "VLLM_CPU_OMP_THREADS_BIND=0|1 vllm serve /m --max-model-len 2048 --enforce-eager "
+        "--kv-cache-memory-bytes 1024 --tensor-parallel-size 2 --pipeline-parallel-size 2 "
+        "--distributed-executor-backend mp --nnodes 2 --node-rank 0 --master-addr a --master-port 29501")
+    # Past node 0 a node runs its ranks headless, bound by its own cores.
+    assert commands[1]["command"].startswith("VLLM_CPU_OMP_THREADS_BIND=4|5 vllm serve /m ")
+    assert commands[1]["command"].endswith("--nnodes 2 --node-rank 1 --master-addr a --master-port 29501 --headless")
 
 
 def test_ray_brings_its_cluster_up_first_and_serves_from_the_head():

@@ -249,11 +249,12 @@ def test_a_405b_model_spans_two_hosts_as_pp2_x_tp8_on_the_multi_node_executor(ca
         assert rank["host"] == ("node-a", "node-b")[stage] and tuple(rank["layers"]) == stages[stage]
         assert rank["weight_bytes"] == llama_rank_weights(c, 8, 63, first=stage == 0, last=stage == 1)
         assert rank["kv_cache_bytes"] == llama_rank_kv(c, 8, 63, 16384)
-    # One edge serve per node, joined by vLLM's multi-node mode; node 1 runs ranks 8-15 headless.
+    # One vllm serve per node, joined by vLLM's multi-node mode; node 1 runs ranks 8-15 headless.
     commands = [(x["host"], x["node_rank"], x["ranks"], x["command"]) for x in par["commands"]]
     assert [c[:3] for c in commands] == [("node-a", 0, list(range(8))), ("node-b", 1, list(range(8, 16)))]
-    assert all("--tensor-parallel-size 8 --pipeline-parallel-size 2 --nnodes 2" in c[3] for c in commands)
-    assert "--node-rank 1 --master-addr node-a --master-port 29501" in commands[1][3]
+    assert all("--tensor-parallel-size 8 --pipeline-parallel-size 2 --distributed-executor-backend mp --nnodes 2"
+               in c[3] for c in commands)
+    assert commands[1][3].endswith("--node-rank 1 --master-addr node-a --master-port 29501 --headless")
     kwargs = doc["engine_kwargs"]
     assert (kwargs["distributed_executor_backend"], kwargs["nnodes"], kwargs["node_rank"]) == ("mp", 2, 0)
 

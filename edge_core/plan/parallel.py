@@ -516,18 +516,31 @@ class RankBudget:
                 "kv_cache_bytes": self.kv_cache_bytes}
 
 
-def node_commands(hosts: list[str], model: str, layout: Layout, device_files: list[str],
-                  master_port: int = MASTER_PORT) -> list[dict[str, Any]]:
-    """What to run on each host to bring a multi-host plan up: one ``edge serve`` per node, joined by vLLM's
-    multi-node executor (``--nnodes``, ``--node-rank``, ``--master-addr`` the first host).
+def vllm_flags(engine_kwargs: Mapping[str, Any]) -> str:
+    """Engine arguments as ``vllm serve`` flags (each ``EngineArgs`` field is the flag of its name)."""
+    out = []
+    for key, value in engine_kwargs.items():
+        if key == "model" or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        out.append(flag if value is True else f"{flag} {value}")
+    return " ".join(out)
 
-    Node 0 serves; a node past it runs its ranks headless. Each plans its own
-    ranks against its own devices, so no command carries a device list; every
-    host needs the same runtime build (a gate of this plan) and the model at the
-    same path. On Ray (chosen, and only where vLLM's platform has it) the
-    cluster comes first: ``ray start --head`` on the first host, ``ray start
-    --address`` on the others, then one ``edge serve`` on the head, which
-    plans every host from its device list.
+
+def node_commands(hosts: list[str], model: str, layout: Layout, device_files: list[str],
+                  engine_kwargs: Mapping[str, Any] | None = None,
+                  env_by_host: Mapping[str, Mapping[str, str]] | None = None) -> list[dict[str, Any]]:
+    """What to run on each host to bring a multi-host plan up on vLLM's own multi-node paths.
+
+    On the multiprocessing executor, one ``vllm serve`` per node with the
+    plan's engine arguments, ``--node-rank`` its own, and ``--headless`` past
+    node 0 (it runs its ranks and serves nothing), each with its host's own
+    environment (vLLM CPU's bind list from that host's cores). On Ray (chosen,
+    and only where vLLM's platform has it) the cluster comes first: ``ray
+    start --head`` on the first host, ``ray start --address`` on the others,
+    then one ``edge serve`` on the head, which plans every host from its
+    device list. Every host needs the same runtime build (a gate of this plan)
+    and the model at the same path.
     """
     head = hosts[0]
     if layout.executor == EXECUTOR_RAY:
@@ -536,11 +549,17 @@ def node_commands(hosts: list[str], model: str, layout: Layout, device_files: li
         lists = "".join(f" --devices {path}" for path in device_files)
         out.append({"host": head, "command": f"edge serve --model {model}{lists} {layout.flags()}"})
         return out
-    return [{"host": host, "node_rank": rank,
-             "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
-             "command": f"edge serve --model {model} {layout.flags()} --nnodes {len(hosts)} --node-rank {rank} "
-                        f"--master-addr {head} --master-port {master_port}"}
-            for rank, host in enumerate(hosts)]
+    rows = []
+    for rank, host in enumerate(hosts):
+        kwargs = {**(engine_kwargs or {}), "tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp,
+                  "distributed_executor_backend": EXECUTOR_MP, "nnodes": len(hosts), "node_rank": rank,
+                  "master_addr": head, "master_port": (engine_kwargs or {}).get("master_port", MASTER_PORT),
+                  "headless": rank > 0}
+        env = " ".join(f"{k}={v}" for k, v in (env_by_host or {}).get(host, {}).items())
+        rows.append({"host": host, "node_rank": rank,
+                     "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
+                     "command": f"{env + ' ' if env else ''}vllm serve {model} {vllm_flags(kwargs)}"})
+    return rows
 
 
 # ------------------------------------------------------------------ planning
@@ -752,7 +771,8 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
                      "capacity_bytes": o.capacity_bytes, "reservations": [t.to_dict() for t in o.reservations]}
                     for d, s, o in attempt.outcomes],
         "nnodes": layout.hosts,
-        "commands": node_commands(attempt.hosts, command_model or manifest.path, layout, _device_files(single))
+        "commands": node_commands(attempt.hosts, command_model or manifest.path, layout, _device_files(single),
+                                  kwargs, _node_env(device, layout, attempt.hosts, facts, env))
         if layout.hosts > 1 else [],
     }
     chosen = {d.device_id: (s, o) for d, s, o in attempt.outcomes}
@@ -782,6 +802,21 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
                    peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
                    verdicts=tuple(verdicts), notes=notes, parallel=parallel)
+
+
+def _node_env(device: Device, layout: Layout, hosts: list[str], facts: Mapping[str, HostFacts | None],
+              head_env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """Each node's environment: the head's, with vLLM CPU's bind list from that node's own cores."""
+    out = {}
+    for host in hosts:
+        env = dict(head_env)
+        if device.kind == "cpu":
+            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            bind = cpu_bind_list(facts.get(host), layout.ranks_per_host)
+            if bind:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        out[host] = env
+    return out
 
 
 def _device_files(plan: Plan) -> list[str]:
