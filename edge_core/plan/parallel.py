@@ -259,7 +259,8 @@ def layout_refusals(manifest: Manifest, layout: Layout, device_id: str | None = 
             code="parallel_layout_invalid", device_id=device_id,
             message=f"tensor parallel size {layout.tp}: {message}",
             remedy=f"use --tensor-parallel-size {' or '.join(map(str, sizes))} (the sizes {where} that "
-                   "every dimension divides by), or pipeline parallelism (--pipeline-parallel-size)",
+                   "every dimension divides by)" + (", or pipeline parallelism (--pipeline-parallel-size)"
+                                                    if max_ranks is None or max_ranks > 1 else ""),
             details={"dimension": dimension, "tensor_parallel_size": layout.tp, **values,
                      "valid_tensor_parallel_sizes": sizes}))
     for dimension, message, values in pp_problems(manifest, layout.pp):

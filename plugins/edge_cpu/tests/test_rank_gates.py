@@ -99,6 +99,10 @@ def test_layouts_past_the_mask_are_refused_and_suggestions_fit_it(capsys, tmp_pa
              if "valid_tensor_parallel_sizes" in r["details"]}
     assert sizes == {(1, 2)}
     assert all("or 4" not in r["remedy"] for r in doc["refusals"])
+    # One core: TP 1 only, and no pipeline stages either.
+    code, doc = _demo_plan(capsys, tmp_path, "--tensor-parallel-size", "3", allowed=[0])
+    heads = next(r for r in doc["refusals"] if r["details"].get("dimension") == "attention_heads")
+    assert heads["details"]["valid_tensor_parallel_sizes"] == [1] and "pipeline" not in heads["remedy"]
 
 
 # ---------------------------------------------------------------- eager PP
