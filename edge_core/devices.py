@@ -112,6 +112,9 @@ HOST_SECTION_FIELDS: dict[str, FieldSpec] = {
                   "a list of flag names such as ['avx2']"),
     "is_wsl": (False, lambda v: isinstance(v, bool), "true or false"),
     "hostname": (False, lambda v: isinstance(v, str), "a string"),
+    "allowed_cpus": (False, lambda v: v is None or _is_count_list(v), "a list of CPU numbers"),
+    "cpu_quota_cores": (False, lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                       and v > 0), "a number of cores > 0, or null"),
     "numa_nodes": (False, lambda v: v is None or isinstance(v, list), "a list of node objects"),
 }
 NUMA_NODE_FIELDS: dict[str, FieldSpec] = {
@@ -217,6 +220,18 @@ class Device:
         if self.masked:
             return "masked"
         return "runnable" if self.runnable else "not here"
+
+    @property
+    def local_id(self) -> str:
+        """The id its backend gave the device on its own host: ``device_id`` without a multi-host plan's ``HOST/``.
+
+        A backend recognises its devices by this (or by ``backend``), never by
+        the literal ``device_id``: a plan across hosts renames every device
+        ``HOST/ID`` (``extras["host"]`` is ``HOST``), and only the name changes.
+        """
+        host = self.extras.get("host")
+        prefix = f"{host}/"
+        return self.device_id[len(prefix):] if host and self.device_id.startswith(prefix) else self.device_id
 
     def replace(self, **changes: Any) -> Device:
         return dataclasses.replace(self, **changes)

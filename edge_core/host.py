@@ -1,4 +1,4 @@
-"""What the host machine offers: RAM, cgroup limit, NUMA nodes, CPU model and ISA.
+"""What the host machine offers: RAM, cgroup limit, NUMA nodes, CPU model and ISA, and the cores this process may use.
 
 Everything is read from ``/proc`` and ``/sys`` under a root directory that tests
 replace with a fake tree. No subprocess is started and nothing heavy is
@@ -69,6 +69,36 @@ class HostFacts:
     extras: dict[str, Any] = field(default_factory=dict)
     #: The host's name (a multi-host plan labels each device list's devices with it; Ray's head address).
     hostname: str = ""
+    #: The CPUs this process may run on (its affinity mask, ``Cpus_allowed_list``); empty when unknown.
+    allowed_cpus: tuple[int, ...] = ()
+    #: The cgroup's CPU quota in cores (``cpu.max`` quota / period), or None when there is none.
+    cpu_quota_cores: float | None = None
+
+    @property
+    def usable_cpus(self) -> tuple[int, ...]:
+        """The CPUs this process may run on: the affinity mask, else every CPU of the host."""
+        if self.allowed_cpus:
+            return self.allowed_cpus
+        on_nodes = sorted({c for n in self.numa_nodes for c in n.cpus})
+        return tuple(on_nodes) or tuple(range(self.logical_cores))
+
+    @property
+    def usable_cores(self) -> int:
+        """How many CPUs this process can keep busy at once: its allowed CPUs, capped by the cgroup quota."""
+        count = len(self.usable_cpus)
+        if self.cpu_quota_cores is not None:
+            count = min(count, max(int(self.cpu_quota_cores), 1))
+        return count
+
+    def allowed_nodes(self) -> tuple[NumaNode, ...]:
+        """The NUMA nodes holding an allowed CPU, each with only its allowed CPUs (vLLM binds ranks by these)."""
+        allowed = set(self.usable_cpus)
+        out = []
+        for node in self.numa_nodes:
+            cpus = tuple(c for c in node.cpus if c in allowed)
+            if cpus:
+                out.append(NumaNode(node.node_id, node.total_bytes, node.reclaimable_bytes, cpus))
+        return tuple(out)
 
     @property
     def usable_bytes(self) -> int:
@@ -102,6 +132,9 @@ class HostFacts:
             "numa_nodes": [node.to_dict() for node in self.numa_nodes],
             "is_wsl": self.is_wsl,
             "hostname": self.hostname,
+            "allowed_cpus": list(self.allowed_cpus),
+            "cpu_quota_cores": self.cpu_quota_cores,
+            "usable_cores": self.usable_cores,
         }
 
     @classmethod
@@ -136,6 +169,8 @@ class HostFacts:
             numa_nodes=nodes,
             is_wsl=bool(data.get("is_wsl", False)),
             hostname=str(data.get("hostname") or ""),
+            allowed_cpus=tuple(data.get("allowed_cpus") or ()),
+            cpu_quota_cores=(float(data["cpu_quota_cores"]) if data.get("cpu_quota_cores") is not None else None),
         )
 
 
@@ -206,13 +241,7 @@ def read_numa_nodes(root: Path) -> tuple[NumaNode, ...]:
 
 def read_cgroup_memory(root: Path) -> tuple[int | None, int | None]:
     """The memory limit and usage of this process's cgroup (v2, else v1), or (None, None)."""
-    cgroup_text = _read(root / "proc/self/cgroup") or ""
-    rel = ""
-    for line in cgroup_text.splitlines():
-        if line.startswith("0::"):
-            rel = line[3:].strip().lstrip("/")
-    candidates = [root / "sys/fs/cgroup" / rel, root / "sys/fs/cgroup"] if rel else [root / "sys/fs/cgroup"]
-    for directory in candidates:
+    for directory in _cgroup_dirs(root):
         raw = _read(directory / "memory.max")
         if raw is not None:
             raw = raw.strip()
@@ -228,6 +257,47 @@ def read_cgroup_memory(root: Path) -> tuple[int | None, int | None]:
         usage_bytes = int(usage.strip()) if usage and usage.strip().isdigit() else None
         return (None if limit >= _CGROUP_UNLIMITED else limit), usage_bytes
     return None, None
+
+
+def _cgroup_dirs(root: Path) -> list[Path]:
+    cgroup_text = _read(root / "proc/self/cgroup") or ""
+    rel = ""
+    for line in cgroup_text.splitlines():
+        if line.startswith("0::"):
+            rel = line[3:].strip().lstrip("/")
+    return [root / "sys/fs/cgroup" / rel, root / "sys/fs/cgroup"] if rel else [root / "sys/fs/cgroup"]
+
+
+def read_cgroup_cpu_quota(root: Path) -> float | None:
+    """This process's cgroup CPU quota in cores (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``), or None."""
+    for directory in _cgroup_dirs(root):
+        raw = _read(directory / "cpu.max")
+        if raw is not None:
+            parts = raw.split()
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]) > 0:
+                return int(parts[0]) / int(parts[1])
+            return None
+    quota = (_read(root / "sys/fs/cgroup/cpu/cpu.cfs_quota_us") or "").strip()
+    period = (_read(root / "sys/fs/cgroup/cpu/cpu.cfs_period_us") or "").strip()
+    if quota.isdigit() and period.isdigit() and int(period) > 0:  # "-1" (no quota) is not digits
+        return int(quota) / int(period)
+    return None
+
+
+def read_allowed_cpus(root: Path) -> tuple[int, ...]:
+    """The CPUs this process may run on: ``Cpus_allowed_list`` of ``/proc/self/status`` (what taskset sets).
+
+    On the real root without that file, ``os.sched_getaffinity``; empty when neither answers.
+    """
+    for line in (_read(root / "proc/self/status") or "").splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            try:
+                return _parse_cpulist(line.partition(":")[2])
+            except ValueError:
+                return ()
+    if str(root) == "/" and hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return ()
 
 
 def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...], int, int]:
@@ -300,4 +370,6 @@ def read_host(root: str | os.PathLike[str] = "/") -> HostFacts:
         numa_nodes=read_numa_nodes(base),
         is_wsl=is_wsl,
         hostname=(platform.node() if str(root) == "/" else (_read(base / "proc/sys/kernel/hostname") or "").strip()),
+        allowed_cpus=read_allowed_cpus(base),
+        cpu_quota_cores=read_cgroup_cpu_quota(base),
     )

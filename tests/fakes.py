@@ -27,11 +27,15 @@ def write_host_tree(
     flags: str = "fpu sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16",
     cores: int = 4,
     osrelease: str = "6.8.0-generic",
+    allowed_cpus: str | None = None,
+    cpu_max: str | None = None,
 ) -> Path:
     """Write the files edge reads under a fake root.
 
     ``nodes`` is a list of {"total", "free", "active_file", "inactive_file",
-    "sreclaimable", "first_cpu", "cpus"} per NUMA node.
+    "sreclaimable", "first_cpu", "cpus"} per NUMA node. ``allowed_cpus`` is the
+    affinity mask as ``/proc/self/status`` lists it ("0-3,6"), ``cpu_max`` the
+    cgroup's ``cpu.max`` ("150000 100000").
     """
     proc = root / "proc"
     (proc / "sys/kernel").mkdir(parents=True, exist_ok=True)
@@ -49,8 +53,12 @@ def write_host_tree(
     (proc / "cpuinfo").write_text("\n".join(blocks) + "\n")
     (proc / "sys/kernel/osrelease").write_text(osrelease + "\n")
     (proc / "self/cgroup").write_text("0::/\n")
+    if allowed_cpus is not None:
+        (proc / "self/status").write_text(f"Name:\tpython\nCpus_allowed:\tff\nCpus_allowed_list:\t{allowed_cpus}\n")
     cgroup = root / "sys/fs/cgroup"
     cgroup.mkdir(parents=True, exist_ok=True)
+    if cpu_max is not None:
+        (cgroup / "cpu.max").write_text(f"{cpu_max}\n")
     if cgroup_v2_limit is not None:
         (cgroup / "memory.max").write_text(f"{cgroup_v2_limit}\n")
         (cgroup / "memory.current").write_text(f"{cgroup_v2_usage}\n")

@@ -188,7 +188,8 @@ def test_kv_heads_that_do_not_divide_by_the_tp_size_are_refused_with_the_sizes_t
     works = [k for k in range(1, 17) if heads % k == 0 and (kv % k == 0 or k % kv == 0)
              and padded(c["vocab_size"]) % k == 0 and c["intermediate_size"] % k == 0]
     assert works == [1, 2, 4, 8, 16]
-    assert found["kv_heads"]["details"]["valid_tensor_parallel_sizes"] == works
+    # Only the sizes the list's eight cards can host are offered.
+    assert found["kv_heads"]["details"]["valid_tensor_parallel_sizes"] == [k for k in works if k <= 8]
     assert "attention_heads" in found  # 32 heads do not split 6 ways either
 
 
@@ -233,13 +234,13 @@ def test_mla_latent_is_not_split_by_tp(capsys, tmp_path):
     assert all(weights / 2 < r["weight_bytes"] < weights * 0.6 for r in two["parallel"]["ranks"])
 
 
-def test_a_405b_model_spans_two_hosts_as_pp2_x_tp8_on_ray(capsys, checkpoints):
+def test_a_405b_model_spans_two_hosts_as_pp2_x_tp8_on_the_multi_node_executor(capsys, checkpoints):
     path, c = checkpoints["l405"]
     a, b = str(DATA / "devices-8xh100.json"), str(DATA / "devices-8xh100-b.json")
     code, doc = _plan(capsys, "--model", str(path), "--devices", a, "--devices", b, "--max-model-len", "16384")
     assert code == 0
     par = doc["parallel"]
-    assert (par["tensor_parallel_size"], par["pipeline_parallel_size"], par["executor"]) == (8, 2, "ray")
+    assert (par["tensor_parallel_size"], par["pipeline_parallel_size"], par["executor"]) == (8, 2, "mp")
     assert par["hosts"] == ["node-a", "node-b"]
     stages = pp_partition(c["num_hidden_layers"], 2)
     assert stages == [(0, 63), (63, 126)]
@@ -248,11 +249,29 @@ def test_a_405b_model_spans_two_hosts_as_pp2_x_tp8_on_ray(capsys, checkpoints):
         assert rank["host"] == ("node-a", "node-b")[stage] and tuple(rank["layers"]) == stages[stage]
         assert rank["weight_bytes"] == llama_rank_weights(c, 8, 63, first=stage == 0, last=stage == 1)
         assert rank["kv_cache_bytes"] == llama_rank_kv(c, 8, 63, 16384)
+    # One vllm serve per node, joined by vLLM's multi-node mode; node 1 runs ranks 8-15 headless.
+    commands = [(x["host"], x["node_rank"], x["ranks"], x["command"]) for x in par["commands"]]
+    assert [c[:3] for c in commands] == [("node-a", 0, list(range(8))), ("node-b", 1, list(range(8, 16)))]
+    assert all("--tensor-parallel-size 8 --pipeline-parallel-size 2 --distributed-executor-backend mp --nnodes 2"
+               in c[3] for c in commands)
+    assert commands[1][3].endswith("--node-rank 1 --master-addr node-a --master-port 29501 --headless")
+    kwargs = doc["engine_kwargs"]
+    assert (kwargs["distributed_executor_backend"], kwargs["nnodes"], kwargs["node_rank"]) == ("mp", 2, 0)
+
+
+def test_ray_is_the_executor_only_when_chosen(capsys, checkpoints):
+    path, _ = checkpoints["l405"]
+    a, b = str(DATA / "devices-8xh100.json"), str(DATA / "devices-8xh100-b.json")
+    code, doc = _plan(capsys, "--model", str(path), "--devices", a, "--devices", b, "--max-model-len", "16384",
+                      "--distributed-executor-backend", "ray")
+    assert code == 0
+    par = doc["parallel"]
+    assert par["executor"] == "ray" and doc["engine_kwargs"]["distributed_executor_backend"] == "ray"
     commands = [(x["host"], x["command"]) for x in par["commands"]]
     assert commands[0] == ("node-a", "ray start --head --port=6379")
     assert commands[1] == ("node-b", "ray start --address=node-a:6379")
-    assert commands[2][0] == "node-a" and "--tensor-parallel-size 8 --pipeline-parallel-size 2" in commands[2][1]
-    assert doc["engine_kwargs"]["distributed_executor_backend"] == "ray"
+    assert commands[2][0] == "node-a" and f"--devices {a} --devices {b}" in commands[2][1]
+    assert "--distributed-executor-backend ray" in commands[2][1]
 
 
 def test_hosts_with_different_runtime_builds_are_refused(capsys, checkpoints, tmp_path):

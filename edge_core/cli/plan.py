@@ -52,7 +52,7 @@ def planning_options(parser: argparse.ArgumentParser) -> None:
                         help="KV cache dtype (auto = the model's dtype)")
     parser.add_argument("--devices", metavar="FILE", action="append",
                         help="plan against a device list saved from `edge devices --json` on another machine; "
-                             "give it once per host to plan across hosts on vLLM's Ray path")
+                             "give it once per host to plan across hosts (vLLM's multi-node executor)")
     parser.add_argument("--tensor-parallel-size", type=positive_int, metavar="N",
                         help="split every layer across N like devices (default: one device, or the smallest "
                              "layout that fits when none does)")
@@ -61,6 +61,9 @@ def planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-ids", metavar="ID,ID", type=_id_list,
                         help="only these devices, in this order (e.g. cuda:1,cuda:2): one of them, or the "
                              "group a parallel layout runs on")
+    parser.add_argument("--distributed-executor-backend", choices=("mp", "ray"), metavar="{mp,ray}",
+                        help="vLLM's executor: mp (its multiprocessing executor, across hosts in its multi-node "
+                             "mode; the default) or ray (vLLM CUDA only: vLLM CPU has no Ray)")
     parser.add_argument("--backend", metavar="NAME",
                         help="only this backend's devices: a plugin name from `edge plugins` (cpu, transformers, "
                              "...) or a device's backend (vllm:cpu)")
@@ -99,7 +102,8 @@ def parallel_from(args: argparse.Namespace) -> ParallelRequest:
 
     return ParallelRequest(tp=getattr(args, "tensor_parallel_size", None),
                            pp=getattr(args, "pipeline_parallel_size", None),
-                           device_ids=tuple(getattr(args, "device_ids", None) or ()))
+                           device_ids=tuple(getattr(args, "device_ids", None) or ()),
+                           executor=getattr(args, "distributed_executor_backend", None))
 
 
 def session_from(args: argparse.Namespace) -> SessionSpec:

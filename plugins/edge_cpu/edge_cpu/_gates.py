@@ -7,9 +7,10 @@ quantization scheme (:mod:`._schemes`: a format name the CPU runs can hide a
 scheme it does not), the attention kernel's head sizes (a checkpoint with an
 unsupported head size loads for ~20 s and then fails in the first forward
 pass), and the KV pool against the NUMA node vLLM CPU binds to, as vLLM itself
-checks it. A parallel layout adds two: pipeline stages need a model class
-with ``SupportsPP``, and each rank's KV pool is checked against the node that
-rank binds to. The vLLM gates read the installed vLLM's source
+checks it. A parallel layout adds three: every rank needs a core of its own
+among those this process may use (:func:`core_refusals`), pipeline stages need
+a model class with ``SupportsPP``, and each rank's KV pool is checked against
+the node that rank binds to. The vLLM gates read the installed vLLM's source
 (:mod:`._vllm_support`); a piece it could not read is not grounds to refuse.
 """
 
@@ -144,8 +145,63 @@ def rank_nodes(host: HostFacts, share: DeviceShare | None) -> list[Any] | None:
     """
     if share is None or share.ranks_here <= 1:
         return None
-    nodes = [n for n in host.numa_nodes if n.cpus]
+    nodes = list(host.allowed_nodes())
     return nodes[: share.ranks_here] if len(nodes) >= share.ranks_here else None
+
+
+def _cpu_list(cpus: tuple[int, ...]) -> str:
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+#: What vLLM CPU 0.32 raises when asked for Ray: its platform has no Ray device key
+#: (``ray_device_key`` is empty, ``initialize_ray_cluster`` in ``vllm/v1/executor/ray_utils.py``).
+RAY_CPU_ERROR = "current platform cpu does not support ray"
+
+
+def executor_refusals(device: Device, share: DeviceShare | None) -> list[Refusal]:
+    """A layout on vLLM's Ray executor: vLLM CPU cannot run one (may be empty)."""
+    if share is None or share.layout.executor != "ray":
+        return []
+    return [Refusal(
+        code="parallel_layout_invalid", device_id=device.device_id,
+        message=f"vLLM CPU cannot run on Ray: vLLM 0.32 raises {RAY_CPU_ERROR!r} before any worker starts",
+        remedy="leave out --distributed-executor-backend ray: across hosts vLLM CPU runs on vLLM's multiprocessing "
+               "executor (edge serve --nnodes N --node-rank R --master-addr HEAD on each host)",
+        details={"dimension": "executor", "executor": "ray", "measured": RAY_CPU_ERROR},
+    )]
+
+
+def core_refusals(device: Device, host: HostFacts, share: DeviceShare | None) -> list[Refusal]:
+    """More vLLM CPU ranks on this host than cores this process may use (may be empty).
+
+    vLLM CPU binds each local worker's OpenMP threads to cores of its own: by
+    the bind list edge writes (``VLLM_CPU_OMP_THREADS_BIND``, one entry per
+    local rank, vLLM asserts the count), or with ``auto`` one allowed NUMA node
+    per rank ("Not enough allowed NUMA nodes to bind threads of N local
+    CPUWorkers", ``vllm/utils/ompmultiprocessing.py``). The cores are the
+    affinity mask capped by the cgroup quota (:attr:`HostFacts.usable_cores`).
+    """
+    ranks = share.ranks_here if share is not None else 1
+    usable = host.usable_cores
+    if ranks <= 1 or not host.usable_cpus or ranks <= usable:
+        return []
+    quota = (f", a cgroup CPU quota of {host.cpu_quota_cores:g} cores" if host.cpu_quota_cores is not None else "")
+    return [Refusal(
+        code="parallel_layout_invalid", device_id=device.device_id,
+        message=(f"{ranks} vLLM CPU ranks on this host each need cores of their own (vLLM binds "
+                 f"every rank's threads apart: VLLM_CPU_OMP_THREADS_BIND, or one NUMA node per rank), but this "
+                 f"process may use {usable} (CPUs {_cpu_list(host.usable_cpus)}{quota})"),
+        remedy=(f"use at most {usable} rank{'s' if usable > 1 else ''} here (--tensor-parallel-size x "
+                "--pipeline-parallel-size), or allow more cores (taskset, the cgroup's cpu.max)"),
+        details={"dimension": "cpu_cores", "ranks": ranks, "usable_cores": usable,
+                 "allowed_cpus": list(host.usable_cpus), "cpu_quota_cores": host.cpu_quota_cores},
+    )]
 
 
 def kv_node_refusals(device: Device, host: HostFacts, reservations: list[Any],
@@ -211,6 +267,8 @@ def gate(device: Device, manifest: Any, session: Any, host: HostFacts, reservati
     refusals = architecture_refusals(src, device, manifest)
     if refusals:
         return refusals  # nothing else matters when vLLM has no model class for it
+    refusals += executor_refusals(device, share)
+    refusals += core_refusals(device, host, share)
     refusals += pipeline_refusals(src, device, manifest, share)
     refusals += multimodal_refusals(src, device, manifest)
     refusals += scheme_refusals(src, device, manifest)

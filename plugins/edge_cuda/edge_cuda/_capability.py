@@ -126,7 +126,7 @@ def formats_for(sm: int) -> tuple[str, ...]:
 
 
 def owns(device: Device) -> bool:
-    return device.backend == BACKEND or device.device_id.startswith("cuda:")
+    return device.backend == BACKEND or device.local_id.startswith("cuda:")
 
 
 def device_formats(device: Device) -> tuple[str, ...]:

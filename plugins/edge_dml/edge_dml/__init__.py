@@ -45,7 +45,7 @@ _ORT_ROUTE = "ort:dml"
 
 def _owns(device: Any) -> bool:
     # An unreachable iGPU carries no backend; a reachable one names one of our routes.
-    return device.device_id.startswith("gpu_integrated:") and (
+    return device.local_id.startswith("gpu_integrated:") and (
         device.backend is None or device.backend in ROUTES_BY_BACKEND)
 
 

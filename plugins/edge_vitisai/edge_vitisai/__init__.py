@@ -49,7 +49,7 @@ __all__ = [
 
 
 def _owns(device: Any) -> bool:
-    return device.device_id == DEVICE_ID and device.backend == BACKEND
+    return device.local_id == DEVICE_ID and device.backend == BACKEND
 
 
 @hookimpl
