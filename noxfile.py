@@ -140,6 +140,9 @@ def all_backends(session: nox.Session) -> None:
     # the question is whether four backends coexist, so they are left out to keep
     # CI inside its time (each starts vLLM on 2 cores).
     _pytest(session, "tests", *(f"plugins/edge_{name}/tests" for name in PLUGINS), marks="not slow")
+    # edge-cuda's gates against vLLM's CUDA wheel's own functions: torch is here (edge-cpu's), a GPU is not needed.
+    session.run("bash", str(ROOT / "scripts" / "fetch_vllm_cuda_wheel.sh"), external=True)
+    _pytest(session, "plugins/edge_cuda/tests/test_cuda_gates_vllm.py")
     session.run("edge", "devices")
 
 

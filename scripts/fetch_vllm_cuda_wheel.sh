@@ -9,6 +9,9 @@ set -euo pipefail
 version="${1:-0.32.0}"
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/edge/vllm-cuda"
 target="${EDGE_VLLM_CUDA_WHEEL:-$cache/$version}"
+if [ -f "$target/vllm/platforms/cuda.py" ] && [ -f "$target/vllm/_C_stable_libtorch.abi3.so" ]; then
+  echo "$target"; exit 0
+fi
 mkdir -p "$cache"
 python3 -m pip download -q --no-deps "vllm==$version" -d "$cache"
 wheel=$(ls "$cache"/vllm-"$version"-*x86_64.whl | head -n 1)
