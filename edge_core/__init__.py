@@ -11,7 +11,7 @@ from .devices import Device
 from .errors import ArtifactError, EdgeError, StageError, UsageError
 from .hookspecs import API_VERSION, hookimpl
 from .host import HostFacts, NumaNode
-from .plan import Plan, Refusal, SessionSpec
+from .plan import ExecutionMode, Plan, Refusal, SessionSpec
 from .stream import DeltaEvent, StageRequest, StateHandle
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "DeltaEvent",
     "Device",
     "EdgeError",
+    "ExecutionMode",
     "HostFacts",
     "NumaNode",
     "Plan",

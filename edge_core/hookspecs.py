@@ -4,10 +4,10 @@ Six hooks are fixed by the product (``probe_devices``, ``weight_formats``,
 ``reserve_memory``, ``start_stage``, ``stream``, ``cancel``); more earn their
 place: ``format_remedy``, ``gate_plan``, ``stop_stage``, ``verify_device``, and
 optional ones a backend implements only when it has something to say
-(``prepare_stage``, ``memory_counter``, ``reference_token_ids``,
-``start_server``) — a backend without them gets the safe default (nothing to
-prepare, no device counter, no parity run, ``edge serve`` refused with
-``serve_unsupported``).
+(``execution_mode``, ``prepare_stage``, ``memory_counter``,
+``reference_token_ids``, ``start_server``) — a backend without them gets the
+safe default (eager, nothing to prepare, no device counter, no parity run,
+``edge serve`` refused with ``serve_unsupported``).
 
 Dispatch comes in two shapes:
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # imported for annotations only: the core stays cheap to impo
     from .budget import Reservation
     from .devices import Device, DeviceCounter
     from .host import HostFacts
-    from .plan import Plan, Refusal, SessionSpec
+    from .plan import ExecutionMode, Plan, Refusal, SessionSpec
     from .plan.parallel import DeviceShare
     from .serving import ServerHandle, ServerOptions
     from .stream import DeltaEvent, StageRequest
@@ -111,6 +111,21 @@ def gate_plan(
     support). Each refusal carries a code, a message and a remedy. Owning
     backend only; called after the format gate and before the core's capacity
     gate.
+    """
+
+
+@hookspec(firstresult=True)
+def execution_mode(device: Device, manifest: Manifest, session: SessionSpec) -> ExecutionMode | None:
+    """Return how the runtime executes a session on ``device`` by default: eager or compiled, and why.
+
+    Asked only when the user gave neither ``--enforce-eager`` nor
+    ``--compile`` (``session.enforce_eager`` is None; the other limits are
+    resolved). Return the runtime's own default as a
+    :class:`~edge_core.plan.ExecutionMode` with a reason people can read, and
+    the batch sizes graphs are captured for if any (vLLM CUDA:
+    torch.compile with CUDA graphs at its default capture sizes). The
+    answer sets ``session.enforce_eager`` for ``reserve_memory`` and
+    ``gate_plan``. Optional; owning backend only (no answer: eager).
     """
 
 
@@ -235,7 +250,7 @@ def start_server(device: Device, plan: Plan, options: ServerOptions) -> ServerHa
 #: Hooks answered by every plugin; all others go to the owning backend alone.
 BROADCAST_HOOKS = ("probe_devices",)
 OWNER_HOOKS = (
-    "weight_formats", "format_remedy", "gate_plan", "reserve_memory", "start_stage", "stream",
+    "weight_formats", "format_remedy", "gate_plan", "execution_mode", "reserve_memory", "start_stage", "stream",
     "cancel", "stop_stage", "verify_device", "prepare_stage", "memory_counter", "reference_token_ids",
     "start_server",
 )

@@ -15,7 +15,10 @@ vLLM backend shares (edge-cpu and edge-cuda drive builds of the same source):
   ``SupportsPP``, which vLLM checks at engine start before it will run a
   pipeline-parallel layout;
 - the small ``ast`` helpers those use (:func:`assigned`, :func:`find_class`, ...),
-  public so a backend can read its own platform's tables the same way.
+  public so a backend can read its own platform's tables the same way;
+- the pieces of a per-version disk cache of what a backend read
+  (:func:`cache_file`, :func:`files_unchanged`, :func:`write_json`), so each
+  backend's reader keeps one JSON file per installed vLLM the same way.
 
 A file that is missing or in a shape this reader does not know raises
 :class:`Unreadable`, whose message names the file and the symbol; callers turn
@@ -25,8 +28,11 @@ that into "could not check", never into a refusal or a crash.
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.metadata as metadata
 import importlib.util
+import json
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +122,45 @@ class SourceTree:
             raise Unreadable(f"{dotted}: not a module of the vllm package")
         rel = "/".join(parts[1:])
         return f"{rel}.py" if (self.root / f"{rel}.py").is_file() else f"{rel}/__init__.py"
+
+
+# ---------------------------------------------------------------- the disk cache
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/edge``, default ``~/.cache/edge``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "edge"
+
+
+def cache_file(cache_dir: Path, kind: str, root: Path, distribution: str | None, version: str | None) -> Path:
+    """``KIND-DIST-VERSION-WHERE.json`` under ``cache_dir``: one file per reader and installed vLLM."""
+    where = hashlib.sha256(str(root).encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    name = f"{kind}-{distribution or 'vllm'}-{version or 'unknown'}-{where}.json"
+    return cache_dir / "".join(c if c.isalnum() or c in "-._+" else "_" for c in name)
+
+
+def files_unchanged(root: Path, files: tuple[tuple[str, int, int], ...]) -> bool:
+    """True when every ``(path, size, mtime_ns)`` a reader recorded still matches (and it recorded any)."""
+    for rel, size, mtime in files:
+        try:
+            st = (root / rel).stat()
+        except OSError:
+            return False
+        if st.st_size != size or st.st_mtime_ns != mtime:
+            return False
+    return bool(files)
+
+
+def write_json(path: Path, document: object) -> None:
+    """Write ``document`` to ``path`` atomically; a cache that cannot be written is no reason to fail."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(document), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------- ast helpers

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..artifact import DEMO_MODEL
 from ..errors import EXIT_OK, EXIT_REFUSED, ArtifactError, UsageError
-from ..plan import Plan, Refusal, SessionSpec
+from ..plan import ExecutionMode, Plan, Refusal, SessionSpec
 from ..registry import Registry, discover
 from ._common import common_options, mask_from, mask_option, mib, positive_int, registry_from, write_document
 
@@ -75,6 +75,13 @@ def planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--explain", action="store_true",
                         help="for every refused device that reached the budget arithmetic, print its "
                              "reservations, predicted peak and headroom against capacity, and its KV cache")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True, default=None,
+                      help="run eagerly: no torch.compile, no CUDA graphs (default: the backend's own mode, "
+                           "which the plan names: compiled with CUDA graphs on vLLM CUDA, eager on vLLM CPU)")
+    mode.add_argument("--compile", dest="enforce_eager", action="store_const", const=False,
+                      help="let vLLM compile the model (torch.compile, and CUDA graphs on a GPU): slower start, "
+                           "faster decode; the plan budgets the graphs' memory")
 
 
 def add_plan_command(sub: Any) -> None:
@@ -107,10 +114,10 @@ def parallel_from(args: argparse.Namespace) -> ParallelRequest:
 
 
 def session_from(args: argparse.Namespace) -> SessionSpec:
-    # Eager is right for a one-shot run; `edge serve` decides with --enforce-eager / --compile.
+    # enforce_eager None: the device's backend decides (edge_core.plan.execution).
     return SessionSpec(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype,
-                       enforce_eager=getattr(args, "enforce_eager", True))
+                       enforce_eager=getattr(args, "enforce_eager", None))
 
 
 def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
@@ -321,6 +328,14 @@ def _span(ids: list[str]) -> str:
     return "+".join(ids)
 
 
+def mode_line(mode: ExecutionMode) -> str:
+    """``compiled (backend): why; CUDA graphs for 2 batch sizes (1..2)``."""
+    sizes = mode.cudagraph_capture_sizes
+    graphs = (f"; CUDA graphs for {len(sizes)} batch size{'s' if len(sizes) != 1 else ''} "
+              f"({sizes[0]}..{sizes[-1]})") if sizes else ""
+    return f"{mode.mode} ({mode.source}): {mode.reason}{graphs}"
+
+
 def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
     """Render ``plan``; with ``explain`` every budgeted device's reservations, peak and KV (``--explain``)."""
     verdict = "ADMITTED" if plan.admitted else "REFUSED"
@@ -355,6 +370,8 @@ def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
     elif plan.admitted:
         print(f"  session   max_model_len {plan.session.max_model_len}, max_num_seqs {plan.session.max_num_seqs}, "
               f"max_num_batched_tokens {plan.session.max_num_batched_tokens}")
+        if plan.execution is not None:
+            print(f"  mode      {mode_line(plan.execution)}")
     if plan.admitted and plan.reservations:
         for line in reservation_lines(plan.reservations):
             print(line)

@@ -52,11 +52,6 @@ def add_serve_command(sub: Any) -> None:
     serve.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
                        help=f"seconds in-flight requests may finish after a stop signal (default "
                             f"{DEFAULT_DRAIN_TIMEOUT_S:g})")
-    mode = serve.add_mutually_exclusive_group()
-    mode.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=True,
-                      help="run eagerly (the default: starts in about a third of the time; see --compile)")
-    mode.add_argument("--compile", dest="enforce_eager", action="store_false",
-                      help="let vLLM compile the model (CUDA graphs / torch.compile): slower start, faster decode")
     engine_log_options(serve)
     serve.set_defaults(handler=cmd_serve)
 

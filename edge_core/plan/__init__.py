@@ -10,7 +10,8 @@ Modules: :mod:`.types` (the answer), :mod:`.planner` (the entry),
 :mod:`.checkpoint` (a whole decode session), :mod:`.graph_stage` (one
 exported-graph stage), :mod:`.kv` (KV-cache arithmetic), :mod:`.terms` (the
 core's memory terms), :mod:`.capacity` (what admission checks against),
-:mod:`.remedies`, :mod:`.ledger` (what live sessions on this host already hold).
+:mod:`.remedies`, :mod:`.ledger` (what live sessions on this host already hold),
+:mod:`.execution` (eager or compiled: the user's flag, else the backend's default).
 
 The types are imported with the package; everything else on first use
 (:mod:`edge_core._exports` says why).
@@ -19,7 +20,16 @@ The types are imported with the package; everything else on first use
 from typing import TYPE_CHECKING
 
 from .._exports import lazy_exports
-from .types import REFUSAL_CODES, STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
+from .types import (
+    REFUSAL_CODES,
+    STAGE_ONLY_KINDS,
+    DeviceVerdict,
+    ExecutionMode,
+    GraphStagePlan,
+    Plan,
+    Refusal,
+    SessionSpec,
+)
 
 if TYPE_CHECKING:
     from .capacity import capacity_of
@@ -39,6 +49,7 @@ __all__ = [
     "STAGE_ONLY_KINDS",
     "VRAM_EXTERNAL_RESERVE_BYTES",
     "DeviceVerdict",
+    "ExecutionMode",
     "GraphStagePlan",
     "KVEstimate",
     "Plan",

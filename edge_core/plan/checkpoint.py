@@ -17,11 +17,12 @@ from ..budget import peak as combine
 from ..errors import ArtifactError, UsageError
 from ..registry import install_hint
 from .capacity import capacity_of
+from .execution import execution_mode, with_mode
 from .kv import estimate_kv
 from .ledger import committed_refusal, pool_key, with_holders
 from .remedies import capacity_refusal, format_refusal, shorter_context_fallbacks
 from .terms import core_reservations, headroom_reservations
-from .types import STAGE_ONLY_KINDS, DeviceVerdict, Plan, Refusal, SessionSpec
+from .types import STAGE_ONLY_KINDS, DeviceVerdict, ExecutionMode, Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -46,7 +47,8 @@ class DeviceOutcome:
     The budget (``reservations``, ``peak``, ``kv``, ``capacity_bytes``) is
     kept whenever the arithmetic ran, refused or not, so a refusal can show
     the terms it was decided on; ``capacity_bytes`` is None where the pool's
-    capacity is unknown (a device list without host facts).
+    capacity is unknown (a device list without host facts). ``execution`` is
+    the mode the budget was computed for (None before the format gate passed).
     """
 
     refusals: tuple[Refusal, ...] = ()
@@ -56,6 +58,7 @@ class DeviceOutcome:
     capacity_bytes: int | None = None
     kv: KVEstimate | None = None
     notes: tuple[str, ...] = field(default=())
+    execution: ExecutionMode | None = None
 
     def verdict(self, device_id: str, selected: bool = False, note: str | None = None) -> DeviceVerdict:
         """This outcome as the plan's verdict row for ``device_id``."""
@@ -223,12 +226,14 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
     device, outcome = selected
     assert outcome.kv is not None and outcome.peak is not None
     capacity = outcome.capacity_bytes or 0  # unknown capacity (noted): engine_kwargs_for falls back to the device
+    session = with_mode(session, outcome.execution)
     return Plan(
         admitted=True, model_path=model_path, session=session, manifest=manifest, selected_device=device,
         reservations=outcome.reservations, peak=outcome.peak, capacity_bytes=capacity,
         kv=outcome.kv, engine_kwargs=engine_kwargs_for(manifest, session, device, outcome.kv, outcome.peak,
                                                        capacity),
         fallbacks=tuple(fallbacks), verdicts=tuple(verdicts), devices_source=devices_source, notes=tuple(notes),
+        execution=outcome.execution,
     )
 
 
@@ -258,6 +263,8 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
             if registry is not None and owned else None
         return DeviceOutcome(refusals=(format_refusal(device, manifest, formats, remedy),), gate="format",
                              notes=notes)
+    mode = execution_mode(device, manifest, session, registry, owned)
+    session = with_mode(session, mode)
     block = device.extras.get("kv_block_size")
     kv = estimate_kv(manifest.config, max_model_len=int(session.max_model_len or 0),
                      max_num_seqs=session.max_num_seqs, max_num_batched_tokens=session.max_num_batched_tokens,
@@ -277,7 +284,8 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
     terms = terms + headroom_reservations(device, predicted)  # a new list: gate_plan was handed the old one
     total = combine(terms, device.memory_pool)
     capacity, how = capacity_of(device, host, devices or ())
-    kept = DeviceOutcome(reservations=tuple(terms), peak=total, capacity_bytes=capacity, kv=kv, notes=notes)
+    kept = DeviceOutcome(reservations=tuple(terms), peak=total, capacity_bytes=capacity, kv=kv, notes=notes,
+                         execution=mode)
     if gated:
         return replace(kept, refusals=with_holders(gated, pool_key(device), ledger), gate="backend")
     if capacity is None:

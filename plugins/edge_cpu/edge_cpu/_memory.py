@@ -286,7 +286,7 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
             f"({EXTRA_RANK_WORKER_BYTES >> 20} MiB each: one more process importing torch; tree PSS "
             "1,997 MiB with TP 2 against 1,563-1,570 MiB with one worker on the demo, measured)",
         ))
-    if not getattr(session, "enforce_eager", True):
+    if getattr(session, "enforce_eager", True) is False:  # None: not decided yet, no compile
         terms.append(Reservation(
             purpose="compile_workspace",
             bytes=ranks * COMPILE_WORKSPACE_BYTES,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 import re
 import threading
 from dataclasses import asdict, dataclass, field
@@ -52,8 +51,11 @@ from edge_core.vllm_source import (
     SourceTree,
     Unreadable,
     assigned,
+    cache_file,
     class_def,
+    default_cache_dir,
     dotted_module,
+    files_unchanged,
     find_class,
     function_def,
     imported_from,
@@ -61,6 +63,7 @@ from edge_core.vllm_source import (
     model_module,
     name_of,
     read_model_registry,
+    write_json,
 )
 from edge_core.vllm_source import pp_support as _pp_support
 
@@ -229,11 +232,6 @@ def installed_source(cache_dir: Path | None = None) -> VllmSource:
     return found
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "edge"
-
-
 def _reader_digest() -> str:
     """This reader's own source and the shared one it calls (:mod:`edge_core.vllm_source`)."""
     from edge_core import vllm_source
@@ -248,20 +246,7 @@ def _reader_digest() -> str:
 
 
 def _cache_path(cache_dir: Path, root: Path, distribution: str | None, version: str | None) -> Path:
-    where = hashlib.sha256(str(root).encode("utf-8", "surrogatepass")).hexdigest()[:12]
-    name = f"vllm-source-{distribution or 'vllm'}-{version or 'unknown'}-{where}.json"
-    return cache_dir / "".join(c if c.isalnum() or c in "-._+" else "_" for c in name)
-
-
-def _still_valid(root: Path, files: tuple[tuple[str, int, int], ...]) -> bool:
-    for rel, size, mtime in files:
-        try:
-            st = (root / rel).stat()
-        except OSError:
-            return False
-        if st.st_size != size or st.st_mtime_ns != mtime:
-            return False
-    return bool(files)
+    return cache_file(cache_dir, "vllm-source", root, distribution, version)
 
 
 def _load_cache(path: Path, root: Path, key: dict[str, Any]) -> VllmSource | None:
@@ -272,7 +257,7 @@ def _load_cache(path: Path, root: Path, key: dict[str, Any]) -> VllmSource | Non
         found = VllmSource.from_json(data["source"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return found if _well_formed(found) and _still_valid(root, found.files) else None
+    return found if _well_formed(found) and files_unchanged(root, found.files) else None
 
 
 def _well_formed(found: VllmSource) -> bool:
@@ -300,13 +285,7 @@ def _well_formed(found: VllmSource) -> bool:
 
 
 def _store_cache(path: Path, key: dict[str, Any], found: VllmSource) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "source": found.to_json()}), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home is no reason to fail a plan; the next call parses again
+    write_json(path, {"key": key, "source": found.to_json()})  # a read-only home: the next call parses again
 
 
 def read_source(root: Path | str, *, distribution: str | None = None, version: str | None = None,

@@ -6,14 +6,16 @@ compute capability; it is runnable when the CUDA build of vLLM is installed in
 this interpreter. The formats a GPU executes follow from its compute
 capability (``_capability.py``), so int8 W8A8 is refused on Blackwell before
 anything is loaded; a pipeline-parallel layout of a model vLLM cannot pipeline
-is refused from the installed vLLM's source (``_pipeline.py``).
+is refused from the installed vLLM's source (``_pipeline.py``). A session runs
+as vLLM CUDA runs it by default, compiled with CUDA graphs, and the graphs'
+memory is budgeted (``_graphs.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from edge_core import hookimpl
+from edge_core import ExecutionMode, hookimpl
 from edge_core.vllm_hooks import (  # stages and servers run on vLLM
     cancel,
     reference_token_ids,
@@ -23,9 +25,12 @@ from edge_core.vllm_hooks import (  # stages and servers run on vLLM
     stream,
 )
 
-from . import _capability, _counter, _memory, _pipeline, _probe
+from . import _capability, _counter, _graphs, _memory, _pipeline, _probe
 
 EDGE_API_VERSION = 1
+#: Why a vLLM CUDA session is compiled unless --enforce-eager: it is vLLM's own default on a GPU.
+COMPILED_REASON = ("vLLM CUDA's default: torch.compile with CUDA graphs (FULL_AND_PIECEWISE) at its default "
+                   "capture sizes, where its small-batch decode speed comes from; --enforce-eager to start faster")
 
 #: Why the last probe found no devices (no NVML, no driver, no GPU visible), or
 #: None. The registry reads it to explain an empty plugin row.
@@ -34,6 +39,7 @@ last_probe_note: str | None = None
 __all__ = [
     "EDGE_API_VERSION",
     "cancel",
+    "execution_mode",
     "format_remedy",
     "gate_plan",
     "last_probe_note",
@@ -78,10 +84,19 @@ def format_remedy(device: Any, weight_format: str) -> str | None:
 
 
 @hookimpl
+def execution_mode(device: Any, manifest: Any, session: Any) -> ExecutionMode | None:
+    if not _capability.owns(device):
+        return None
+    sm = _capability.sm_number(device.compute_capability)
+    sizes = _graphs.capture_sizes(int(session.max_num_seqs), int(session.max_num_batched_tokens or 1), sm)
+    return ExecutionMode(enforce_eager=False, source="backend", reason=COMPILED_REASON, cudagraph_capture_sizes=sizes)
+
+
+@hookimpl
 def reserve_memory(device: Any, manifest: Any, session: Any, host: Any, share: Any) -> list | None:
     if not _capability.owns(device):
         return None
-    return _memory.reservations(session, share)
+    return _memory.reservations(session, share, manifest, _capability.sm_number(device.compute_capability))
 
 
 @hookimpl

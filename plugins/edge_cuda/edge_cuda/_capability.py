@@ -1,9 +1,12 @@
 """What an NVIDIA GPU of a given compute capability can execute under vLLM's CUDA build.
 
 The answers are rules keyed on the SM number (``major * 10 + minor``: sm_75 is
-75, sm_120 is 120), read from vLLM 0.32's own gates so that a checkpoint is
-refused before load instead of failing in its first forward pass. Each rule
-cites where its numbers come from.
+75, sm_120 is 120), so that a checkpoint is refused before load instead of
+failing in its first forward pass. :data:`RULES` are the hand-kept rules, each
+citing where its numbers come from; :func:`rules` replaces their numbers with
+the installed vLLM's own (:mod:`._vllm_support`: each scheme's minimum
+capability, the Marlin floor, the CUTLASS int8 ceiling of the CUDA build)
+wherever it could read them and the device runs that vLLM release.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 
 from edge_core.devices import Device
 from edge_core.plan import Refusal
+
+from . import _vllm_support
 
 BACKEND = "vllm:cuda"
 
@@ -85,7 +90,6 @@ RULES: tuple[FormatRule, ...] = (
     FormatRule("mxfp4", 80),
     FormatRule("modelopt_fp4", 100),
 )
-_RULES_BY_NAME = {rule.name: rule for rule in RULES}
 
 #: Format families a remedy names, and which formats belong to each.
 FAMILIES: dict[str, tuple[str, ...]] = {
@@ -112,6 +116,44 @@ _SUBSTITUTES: dict[str, tuple[str, ...]] = {
 }
 
 
+def rules(support: _vllm_support.CudaSupport | None) -> tuple[FormatRule, ...]:
+    """:data:`RULES` with the numbers ``support`` read from vLLM itself; the hand-kept ones where it could not."""
+    if support is None:
+        return RULES
+    mins = support.min_capability or {}
+    floor = support.marlin_floor
+    out = []
+    for rule in RULES:
+        low, below = rule.min_sm, rule.below_sm
+        if rule.name in mins:
+            low = mins[rule.name]
+            if rule.name in _vllm_support.MARLIN_FORMATS:
+                low = max(low, floor if floor is not None else rule.min_sm)
+        if rule.name == "compressed-tensors:int8" and support.int8_kernels is not None:
+            if support.int8_kernels[:1] != (_vllm_support.CUTLASS_INT8,):
+                below = None  # vLLM tries another int8 kernel first: the CUTLASS ceiling is not its
+            elif support.int8_ceiling is not None:
+                below = support.int8_ceiling
+        out.append(FormatRule(rule.name, low, below))
+    return tuple(out)
+
+
+def _release(version: str | None) -> str | None:
+    """``0.32.0+cpu`` -> ``0.32.0``: the source release, whichever platform it was built for."""
+    return None if version is None else version.partition("+")[0]
+
+
+def support_for(device: Device) -> _vllm_support.CudaSupport | None:
+    """The installed vLLM's numbers when ``device`` runs that release (or does not say); else None."""
+    found = _vllm_support.installed_support()
+    if found.root is None:
+        return None
+    extras = device.extras if isinstance(device.extras, dict) else {}
+    runtime = str(extras.get("runtime") or "")
+    wanted = _release(runtime.rpartition(" ")[2]) if runtime else None
+    return found if wanted is None or wanted == _release(found.version) else None
+
+
 def sm_number(compute_capability: str | None) -> int | None:
     """``"sm_89"`` -> 89, ``"sm_120"`` -> 120; None for anything else."""
     if not compute_capability or not compute_capability.startswith("sm_"):
@@ -120,9 +162,9 @@ def sm_number(compute_capability: str | None) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-def formats_for(sm: int) -> tuple[str, ...]:
-    """The formats a GPU with this SM number executes, in table order."""
-    return tuple(rule.name for rule in RULES if rule.allows(sm))
+def formats_for(sm: int, table: tuple[FormatRule, ...] = RULES) -> tuple[str, ...]:
+    """The formats a GPU with this SM number executes under ``table``, in table order."""
+    return tuple(rule.name for rule in table if rule.allows(sm))
 
 
 def owns(device: Device) -> bool:
@@ -132,7 +174,7 @@ def owns(device: Device) -> bool:
 def device_formats(device: Device) -> tuple[str, ...]:
     """Formats from the device's compute capability, else what the probe recorded."""
     sm = sm_number(device.compute_capability)
-    return formats_for(sm) if sm is not None else tuple(device.weight_formats)
+    return formats_for(sm, rules(support_for(device))) if sm is not None else tuple(device.weight_formats)
 
 
 def _family_label(family: str) -> str:
@@ -160,7 +202,7 @@ def format_refusal_remedy(device: Device, weight_format: str) -> str:
     if families:
         names = " or ".join(_family_label(f) for f in families)
         clauses.append(f"use the {names} build of this model on this GPU")
-    rule = _RULES_BY_NAME.get(weight_format)
+    rule = {r.name: r for r in rules(support_for(device))}.get(weight_format)
     sm = sm_number(device.compute_capability)
     if rule is not None and sm is not None and sm < rule.min_sm:
         clauses.append(f"run it on a GPU with SM >= {rule.min_sm / 10:.1f}")

@@ -7,6 +7,7 @@ errors are ``NVMLError``), so the real probe code runs unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from dataclasses import dataclass
@@ -359,16 +360,22 @@ def test_entry_point_is_registered_when_installed():
 
 
 def test_hook_reserve_memory_holds_the_context_always_and_the_graph_pool_only_when_not_eager(metadata):
-    from types import SimpleNamespace
+    from edge_core.artifact import DEMO_MODEL, read_manifest
+    from edge_core.plan import SessionSpec, resolve_session
 
     (device,), _ = probe([H100])
-    eager = edge_cuda.reserve_memory(device=device, manifest=None, session=SimpleNamespace(enforce_eager=True),
-                                     host=None, share=None)
-    graphs = edge_cuda.reserve_memory(device=device, manifest=None, session=SimpleNamespace(enforce_eager=False),
-                                      host=None, share=None)
-    assert [t.purpose for t in eager] == ["cuda_context"]
-    assert [t.purpose for t in graphs] == ["cuda_context", "graph_pool"]
-    assert all(t.pool == "vram" and t.evidence == "E" for t in graphs)
+    manifest = read_manifest(str(DEMO_MODEL))
+    session = resolve_session(manifest, SessionSpec())
+
+    def purposes(enforce_eager):
+        terms = edge_cuda.reserve_memory(device=device, manifest=manifest, host=None, share=None,
+                                         session=dataclasses.replace(session, enforce_eager=enforce_eager))
+        assert all(t.pool == "vram" and t.evidence == "E" for t in terms)
+        return [t.purpose for t in terms]
+
+    assert purposes(True) == ["cuda_context"]
+    assert purposes(None) == ["cuda_context"]  # undecided: nothing is captured
+    assert purposes(False) == ["cuda_context", "cuda_graph_pool", "cuda_graph_nodes"]
 
 
 def test_hook_memory_counter_reads_nvml_used_bytes_of_the_planned_card(metadata, monkeypatch):
