@@ -10,7 +10,6 @@ versioned schema (docs/json.md). One module per group of commands:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys

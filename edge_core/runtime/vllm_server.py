@@ -31,9 +31,9 @@ import psutil
 from ..errors import StageError
 from ..host_ledger import current
 from ..serving import ServerOptions, ServerReport
+from . import reaper
 from .env import apply_runtime_env
 from .logs import EngineLog
-from . import reaper
 from .processes import OwnProcessGroup, children, reap
 from .session import TerminationAsInterrupt
 from .vllm_stage import engine_failure_detail, pin_plan_devices
