@@ -48,6 +48,8 @@ from .header import MAX_HEADER_BYTES
 DEFAULT_TIMEOUT_S = 10.0
 #: Slack the worker gets past the deadline to return its own (better named) refusal first.
 DEADLINE_SLACK_S = 0.25
+#: Seconds the Hub is given even when loading huggingface_hub took most of the deadline (a loaded machine).
+MIN_HUB_S = 1.0
 #: Seconds a branch's commit, once resolved, is used without asking the Hub again (``EDGE_HUB_REF_TTL``):
 #: the next plan of the same revision is then offline and as fast as a local one. A commit id never expires.
 REF_TTL_S = 3600.0
@@ -325,6 +327,7 @@ def _metadata_source(settings: HubSettings, repo: str, revision: str | None, com
 
 
 def _from_hub(repo: str, revision: str | None, settings: HubSettings) -> ModelSource:
+    deadline = time.monotonic() + settings.timeout_s
     if settings.offline:
         source = _from_metadata_cache(settings, repo, revision)
         if source is None:
@@ -335,18 +338,22 @@ def _from_hub(repo: str, revision: str | None, settings: HubSettings) -> ModelSo
         source = _from_metadata_cache(settings, repo, revision)
         if source is not None:
             return source
-    return _within_deadline(repo, revision, settings,
+    hub = _hub_modules()  # its modules load on first use: here, in this thread, on the decision's clock
+    _ = hub.HfApi, hub.hf_hub_url, hub.utils.get_session, _transport_errors()
+    return _within_deadline(repo, revision, settings, deadline,
                             lambda deadline: _ask_hub(repo, revision, settings, deadline))
 
 
-def _within_deadline(repo: str, revision: str | None, settings: HubSettings, ask: Any) -> ModelSource:
-    """``ask(deadline)`` in a daemon thread; ``hub_unreachable`` once ``settings.timeout_s`` has passed.
+def _within_deadline(repo: str, revision: str | None, settings: HubSettings, deadline: float,
+                     ask: Any) -> ModelSource:
+    """``ask(deadline)`` in a daemon thread; ``hub_unreachable`` once ``deadline`` has passed.
 
     Each request inside is bounded by what is left (:func:`_left`), so a request
     still waiting when the decision has returned ends soon after; the thread is
-    a daemon, so it never holds the process's exit.
+    a daemon, so it never holds the process's exit. The Hub gets at least
+    :data:`MIN_HUB_S` however long loading huggingface_hub took.
     """
-    deadline = time.monotonic() + settings.timeout_s
+    deadline = max(deadline, time.monotonic() + min(MIN_HUB_S, settings.timeout_s))
     answer: dict[str, Any] = {}
 
     def work() -> None:
@@ -357,7 +364,7 @@ def _within_deadline(repo: str, revision: str | None, settings: HubSettings, ask
 
     worker = threading.Thread(target=work, name="edge-hub", daemon=True)
     worker.start()
-    worker.join(settings.timeout_s + DEADLINE_SLACK_S)
+    worker.join(deadline - time.monotonic() + DEADLINE_SLACK_S)
     if "error" in answer:
         raise answer["error"]
     if "source" in answer:
