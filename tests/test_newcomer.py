@@ -151,7 +151,7 @@ def test_a_silent_hub_is_refused_within_the_timeout_as_a_total(tmp_path, monkeyp
     from edge_core.artifact.hub import resolve_model
     from edge_core.errors import ArtifactError
 
-    _ = huggingface_hub.HfApi  # loaded first: what is timed is the Hub's share, not a busy machine's imports
+    _ = huggingface_hub.HfApi  # loaded first: the deadline is the Hub's, not a busy machine's imports
 
     timeout_s = 2.0
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

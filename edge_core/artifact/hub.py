@@ -44,12 +44,10 @@ from .header import MAX_HEADER_BYTES
 
 #: Seconds the Hub may take to answer everything one decision asks of it (the repo's info, the small
 #: files, every header) before edge gives up: a total, not per request, since huggingface_hub retries a
-#: timed-out request. ``EDGE_HUB_TIMEOUT`` overrides it. vLLM 0.32 took 96.9 s to fail on an unreachable Hub.
+#: timed-out request; counted from the first request (loading huggingface_hub is not the Hub's time). ``EDGE_HUB_TIMEOUT`` overrides it. vLLM 0.32 took 96.9 s to fail on an unreachable Hub.
 DEFAULT_TIMEOUT_S = 10.0
 #: Slack the worker gets past the deadline to return its own (better named) refusal first.
 DEADLINE_SLACK_S = 0.25
-#: Seconds the Hub is given even when loading huggingface_hub took most of the deadline (a loaded machine).
-MIN_HUB_S = 1.0
 #: Seconds a branch's commit, once resolved, is used without asking the Hub again (``EDGE_HUB_REF_TTL``):
 #: the next plan of the same revision is then offline and as fast as a local one. A commit id never expires.
 REF_TTL_S = 3600.0
@@ -327,7 +325,6 @@ def _metadata_source(settings: HubSettings, repo: str, revision: str | None, com
 
 
 def _from_hub(repo: str, revision: str | None, settings: HubSettings) -> ModelSource:
-    deadline = time.monotonic() + settings.timeout_s
     if settings.offline:
         source = _from_metadata_cache(settings, repo, revision)
         if source is None:
@@ -338,9 +335,9 @@ def _from_hub(repo: str, revision: str | None, settings: HubSettings) -> ModelSo
         source = _from_metadata_cache(settings, repo, revision)
         if source is not None:
             return source
-    hub = _hub_modules()  # its modules load on first use: here, in this thread, on the decision's clock
+    hub = _hub_modules()  # its modules load on first use: here, before the Hub's clock starts
     _ = hub.HfApi, hub.hf_hub_url, hub.utils.get_session, _transport_errors()
-    return _within_deadline(repo, revision, settings, deadline,
+    return _within_deadline(repo, revision, settings, time.monotonic() + settings.timeout_s,
                             lambda deadline: _ask_hub(repo, revision, settings, deadline))
 
 
@@ -350,10 +347,8 @@ def _within_deadline(repo: str, revision: str | None, settings: HubSettings, dea
 
     Each request inside is bounded by what is left (:func:`_left`), so a request
     still waiting when the decision has returned ends soon after; the thread is
-    a daemon, so it never holds the process's exit. The Hub gets at least
-    :data:`MIN_HUB_S` however long loading huggingface_hub took.
+    a daemon, so it never holds the process's exit.
     """
-    deadline = max(deadline, time.monotonic() + min(MIN_HUB_S, settings.timeout_s))
     answer: dict[str, Any] = {}
 
     def work() -> None:
