@@ -60,8 +60,9 @@ def record_options(parser: argparse.ArgumentParser) -> None:
 def engine_log_options(parser: argparse.ArgumentParser) -> None:
     """Where the engine's own output goes: a log file per session (default), a named file, or the terminal."""
     parser.add_argument("--engine-log", metavar="PATH",
-                        help="write the engine's own output here ('-': the terminal); default: a new file under "
-                             "the temp dir, printed at start, kept only when the engine fails")
+                        help="write the engine's own output here, and keep it ('-': the terminal); default: a new "
+                             "file in <tmp>/edge-logs-<uid> (0700, the file 0600), printed at start, kept only when "
+                             "the engine fails or a server is force-stopped")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the engine's output live (= --engine-log -)")
 
 
