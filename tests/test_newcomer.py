@@ -190,6 +190,16 @@ def test_the_default_engine_log_is_private_to_the_user(tmp_path, monkeypatch):
     assert list(shared.iterdir()) == []
 
 
+@needs_cpu
+def test_a_serve_refused_for_its_address_leaves_no_log(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        done = edge("serve", "--port", str(holder.getsockname()[1]), env={"TMPDIR": str(tmp_path)})
+    assert done.returncode == 64, done.stderr[-2000:]
+    assert list((tmp_path / f"edge-logs-{os.getuid()}").iterdir()) == []
+
+
 # ---------------------------------------------------------------- 8: a forced stop says what it killed
 
 @needs_cpu

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, UsageError
 from ..plan import Refusal
 from ._common import mask_option, mib, plugin_options, positive_int, write_document
 from .plan import planning_options, print_plan
@@ -90,9 +90,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
               flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(manifest.path))
     engine_log, keep = engine_log_from(args, "serve")
-    record = serve_plan(plan, registry, host=args.host, port=args.port, served_model_name=name,
-                        api_key=args.api_key, drain_timeout_s=max(args.drain_timeout, 0.0),
-                        observer=TerminalObserver(), engine_log=engine_log, plan_document=document)
+    try:
+        record = serve_plan(plan, registry, host=args.host, port=args.port, served_model_name=name,
+                            api_key=args.api_key, drain_timeout_s=max(args.drain_timeout, 0.0),
+                            observer=TerminalObserver(), engine_log=engine_log, plan_document=document)
+    except UsageError:  # the address, before anything started: the log is still empty
+        if not keep:
+            engine_log.remove()
+        raise
     server = record["server"]
     memory = record["memory"]
     if args.json:
