@@ -255,11 +255,13 @@ def test_a_mistyped_local_directory_that_looks_like_a_hub_id_says_what_is_there(
         endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
     env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "xdg"),
            "EDGE_HUB_TIMEOUT": "30"}
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN")}
     proc = subprocess.run([sys.executable, "-m", "edge_core", "plan", "--model", "mymodels/llama"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=120, env={**inherited, **env},
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 2, proc.stderr
-    assert "[hub_unreachable]" in proc.stdout
+    assert "[hub_unreachable]" in proc.stdout, proc.stdout
     assert "no local directory mymodels/llama either (mymodels/ holds llama-3)" in proc.stdout
 
 
