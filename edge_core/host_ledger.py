@@ -444,7 +444,7 @@ class Admission:
         record = SessionRecord(
             session_id=uuid.uuid4().hex, pid=pid,
             processes=((pid, created if created is not None else 0.0),), command=command,
-            interpreter=os.path.realpath(sys.executable),
+            interpreter=os.path.abspath(sys.executable),  # the venv's, as `edge devices --json` names it
             venv=sys.prefix if sys.prefix != sys.base_prefix else os.environ.get("VIRTUAL_ENV"),
             model=model, artifact_id=artifact_id, device_ids=device_ids, reserved_bytes=dict(reserved_bytes),
             predicted_peak_bytes=predicted_peak_bytes, headroom_bytes=headroom_bytes, started_at=time.time(),

@@ -401,3 +401,44 @@ class FakeHub:
     def _count(self, n: int) -> None:
         with self._lock:
             self._bytes_sent += n
+
+
+class SilentEndpoint:
+    """A Hub that accepts every connection and never answers a byte: a context manager; ``endpoint`` once started.
+
+    What a hung proxy or a half-dead mirror looks like to a client: connect succeeds, every read waits.
+    ``connections`` counts the clients' connections (a retrying client makes more than one).
+    """
+
+    endpoint: str
+
+    def __init__(self) -> None:
+        self._listener = socket.socket()
+        self._held: list[socket.socket] = []
+        self._stopped = threading.Event()
+
+    @property
+    def connections(self) -> int:
+        return len(self._held)
+
+    def __enter__(self) -> SilentEndpoint:
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self._listener.settimeout(0.1)
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, name="silent-endpoint", daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._held.append(conn)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopped.set()
+        self._listener.close()
+        for conn in self._held:
+            conn.close()

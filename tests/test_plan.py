@@ -445,8 +445,9 @@ def test_edge_plan_refused_without_explain_prints_one_budget_line_per_budgeted_d
     [line] = [line for line in out.splitlines() if line.startswith("  budget ")]
     weight_bytes = sum(tensor_bytes(*spec) for spec in llama_like_tensors(LLAMA70B).values())
     kv_bytes = expected_kv_70b(8192).bytes_vllm
-    assert line.startswith("  budget    cpu needs ") and f"of {23 * GIB / 2**30:.2f} GiB (capacity gate)" in line
-    assert f"weights {weight_bytes / 2**30:.2f} GiB" in line and f"kv_cache {kv_bytes / 2**30:.2f} GiB" in line
+    # In MiB, as the --explain table and the admitted plan's (issue 25).
+    assert line.startswith("  budget    cpu needs ") and f"of {23 * GIB / 2**20:,.0f} MiB (capacity gate)" in line
+    assert f"weights {weight_bytes / 2**20:,.0f} MiB" in line and f"kv_cache {kv_bytes / 2**20:,.0f} MiB" in line
     assert "headroom " in line
     assert "purpose" not in out  # the full table is for --explain
 

@@ -42,9 +42,12 @@ from .checkpoint import INDEX_NAME, MODELOPT_CONFIG_NAME, PICKLE_REMEDY, PICKLE_
 from .config import CONFIG_NAME
 from .header import MAX_HEADER_BYTES
 
-#: Seconds any one Hub request may take (connect, or between bytes) before edge gives up on it.
-#: ``EDGE_HUB_TIMEOUT`` overrides it. vLLM 0.32 took 96.9 s to fail on an unreachable Hub.
+#: Seconds the Hub may take to answer everything one decision asks of it (the repo's info, the small
+#: files, every header) before edge gives up: a total, not per request, since huggingface_hub retries a
+#: timed-out request; counted from the first request (loading huggingface_hub is not the Hub's time). ``EDGE_HUB_TIMEOUT`` overrides it. vLLM 0.32 took 96.9 s to fail on an unreachable Hub.
 DEFAULT_TIMEOUT_S = 10.0
+#: Slack the worker gets past the deadline to return its own (better named) refusal first.
+DEADLINE_SLACK_S = 0.25
 #: Seconds a branch's commit, once resolved, is used without asking the Hub again (``EDGE_HUB_REF_TTL``):
 #: the next plan of the same revision is then offline and as fast as a local one. A commit id never expires.
 REF_TTL_S = 3600.0
@@ -248,7 +251,7 @@ def _refusal_for(exc: BaseException, repo: str, revision: str | None) -> Artifac
                              None)
     if isinstance(exc, hf.RepositoryNotFoundError):
         token = "" if os.environ.get("HF_TOKEN") else " (or it is private and no HF_TOKEN is set)"
-        return ArtifactError("model_not_found", f"no model {repo!r} on the Hub{token}",
+        return ArtifactError("model_not_found", f"no model {repo!r} on the Hub{token}{local_hint(repo)}",
                              "check the id on the Hub; for a private model set HF_TOKEN or run `hf auth login`; "
                              "for a local directory pass a path that exists (./org/name)", None)
     if isinstance(exc, hf.HfHubHTTPError):
@@ -257,13 +260,35 @@ def _refusal_for(exc: BaseException, repo: str, revision: str | None) -> Artifac
     return None
 
 
-def _unreachable(repo: str, settings: HubSettings, exc: BaseException) -> ArtifactError:
+def _unreachable(repo: str, revision: str | None, settings: HubSettings, exc: BaseException,
+                 downloading: bool = False) -> ArtifactError:
+    rev = f" --revision {revision}" if revision else ""
+    what = (f"lost {settings.endpoint} while downloading {repo} (no answer within {settings.timeout_s:g} s)"
+            if downloading else f"could not reach {settings.endpoint} for {repo} within {settings.timeout_s:g} s")
     return ArtifactError(
         "hub_unreachable",
-        f"could not reach {settings.endpoint} for {repo} within {settings.timeout_s:g} s "
-        f"({type(exc).__name__}: {str(exc)[:160]})",
-        f"check the network (or HF_ENDPOINT); with the model already downloaded elsewhere pass its directory; "
-        f"download it with `hf download {repo}`", None)
+        f"{what} ({type(exc).__name__}: {str(exc)[:160]}){local_hint(repo)}",
+        f"check the network (or HF_ENDPOINT; EDGE_HUB_TIMEOUT gives a slow link more seconds); with the model "
+        f"already downloaded elsewhere pass its directory; download it with `hf download {repo}{rev}`", None)
+
+
+def local_hint(ref: str) -> str:
+    """For a Hub-shaped ``ref`` that may be a mistyped local path: what of it exists here, and what is near."""
+    import difflib
+
+    def near(folder: str, name: str) -> list[str]:
+        try:
+            entries = [e for e in os.listdir(folder or ".") if not e.startswith(".")]
+        except OSError:
+            return []
+        return difflib.get_close_matches(name, entries, n=3, cutoff=0.6)
+
+    parent, _, name = ref.partition("/")
+    if os.path.isdir(parent):
+        close = near(parent, name)
+        return f"; no local directory {ref} either" + (f" ({parent}/ holds {', '.join(close)})" if close else "")
+    close = near("", parent)
+    return f"; no local directory {parent}/ either (here: {', '.join(c + '/' for c in close)})" if close else ""
 
 
 def _not_cached(repo: str, revision: str | None, settings: HubSettings) -> ArtifactError:
@@ -271,7 +296,7 @@ def _not_cached(repo: str, revision: str | None, settings: HubSettings) -> Artif
     return ArtifactError(
         "model_not_cached",
         f"{repo}{'@' + revision if revision else ''} is not in the Hugging Face cache ({settings.cache_dir}) nor in "
-        f"edge's metadata cache, and HF_HUB_OFFLINE is set",
+        f"edge's metadata cache, and HF_HUB_OFFLINE is set{local_hint(repo)}",
         f"with network: unset HF_HUB_OFFLINE (edge plans from the headers, ~1 MB), or download it first "
         f"with `hf download {repo}{rev}`", None)
 
@@ -310,10 +335,48 @@ def _from_hub(repo: str, revision: str | None, settings: HubSettings) -> ModelSo
         source = _from_metadata_cache(settings, repo, revision)
         if source is not None:
             return source
+    hub = _hub_modules()  # its modules load on first use: here, before the Hub's clock starts
+    _ = hub.HfApi, hub.hf_hub_url, hub.utils.get_session, _transport_errors()
+    return _within_deadline(repo, revision, settings, time.monotonic() + settings.timeout_s,
+                            lambda deadline: _ask_hub(repo, revision, settings, deadline))
+
+
+def _within_deadline(repo: str, revision: str | None, settings: HubSettings, deadline: float,
+                     ask: Any) -> ModelSource:
+    """``ask(deadline)`` in a daemon thread; ``hub_unreachable`` once ``deadline`` has passed.
+
+    Each request inside is bounded by what is left (:func:`_left`), so a request
+    still waiting when the decision has returned ends soon after; the thread is
+    a daemon, so it never holds the process's exit.
+    """
+    answer: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            answer["source"] = ask(deadline)
+        except BaseException as exc:  # handed to the caller's thread below
+            answer["error"] = exc
+
+    worker = threading.Thread(target=work, name="edge-hub", daemon=True)
+    worker.start()
+    worker.join(deadline - time.monotonic() + DEADLINE_SLACK_S)
+    if "error" in answer:
+        raise answer["error"]
+    if "source" in answer:
+        return answer["source"]  # type: ignore[no-any-return]
+    raise _unreachable(repo, revision, settings, TimeoutError("no complete answer"))
+
+
+def _left(deadline: float) -> float:
+    """Seconds a request may still take before ``deadline`` (at least 0.05)."""
+    return max(deadline - time.monotonic(), 0.05)
+
+
+def _ask_hub(repo: str, revision: str | None, settings: HubSettings, deadline: float) -> ModelSource:
     hub = _hub_modules()
     api = hub.HfApi(endpoint=settings.endpoint)
     try:
-        info = api.model_info(repo, revision=revision, files_metadata=True, timeout=settings.timeout_s)
+        info = api.model_info(repo, revision=revision, files_metadata=True, timeout=_left(deadline))
     except _transport_errors() as exc:
         if isinstance(exc, hub.errors.HfHubHTTPError):
             refusal = _refusal_for(exc, repo, revision)
@@ -324,11 +387,11 @@ def _from_hub(repo: str, revision: str | None, settings: HubSettings) -> ModelSo
         if source is not None:
             return source
         refusal = _refusal_for(exc, repo, revision)
-        raise (refusal or _unreachable(repo, settings, exc)) from None
+        raise (refusal or _unreachable(repo, revision, settings, exc)) from None
     commit = str(info.sha)
     source = _metadata_source(settings, repo, revision, commit, fetched=0)
     if source is None:
-        source = _fetch_headers(repo, revision, commit, info, settings)
+        source = _fetch_headers(repo, revision, commit, info, settings, deadline)
     _write_ref(settings.edge_cache, repo, revision, commit)
     return source
 
@@ -358,11 +421,12 @@ def _write_ref(root: Path, repo: str, revision: str | None, commit: str) -> None
 class _Fetcher:
     """Bounded GETs over huggingface_hub's own HTTP session (its auth headers, its proxies)."""
 
-    def __init__(self, repo: str, commit: str, settings: HubSettings):
+    def __init__(self, repo: str, commit: str, settings: HubSettings, deadline: float):
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session
 
         self.repo, self.commit, self.settings, self.fetched = repo, commit, settings, 0
+        self.deadline = deadline
         self._count = threading.Lock()
         self.session = get_session()
         self.headers = build_hf_headers()
@@ -386,7 +450,7 @@ class _Fetcher:
             ranged = True
             headers["Range"] = f"bytes={first}-{last}"
             limit = last - first + 1
-        with self.session.stream("GET", self.url(name), headers=headers, timeout=self.settings.timeout_s,
+        with self.session.stream("GET", self.url(name), headers=headers, timeout=_left(self.deadline),
                                  follow_redirects=True) as response:
             if response.status_code >= 400:
                 response.read()
@@ -418,12 +482,13 @@ def _content_range_total(value: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _fetch_headers(repo: str, revision: str | None, commit: str, info: Any, settings: HubSettings) -> ModelSource:
+def _fetch_headers(repo: str, revision: str | None, commit: str, info: Any, settings: HubSettings,
+                   deadline: float) -> ModelSource:
     sizes = {s.rfilename: s.size for s in (info.siblings or [])}
     if CONFIG_NAME not in sizes:
         raise ArtifactError("config_unreadable", f"{repo} has no config.json at {commit[:12]}",
                             "edge plans Hugging Face-format checkpoints (config.json + safetensors)", None)
-    fetcher = _Fetcher(repo, commit, settings)
+    fetcher = _Fetcher(repo, commit, settings, deadline)
     try:
         small = {name: fetcher.get(name)[0] for name in PLAN_FILES if name in sizes}
         if INDEX_NAME in small:
@@ -453,7 +518,7 @@ def _fetch_headers(repo: str, revision: str | None, commit: str, info: Any, sett
             refusal = _refusal_for(exc, repo, revision)
             if refusal is not None:
                 raise refusal from None
-        raise _unreachable(repo, settings, exc) from None
+        raise _unreachable(repo, revision, settings, exc) from None
     remote = sum(int(sizes[n] or 0) for n in sizes)
     target = _edge_snapshot(settings, repo, commit)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -558,7 +623,7 @@ def download(source: ModelSource, environ: Mapping[str, str] | None = None) -> M
             refusal = _refusal_for(exc, source.repo, source.revision)
             if refusal is not None:
                 raise refusal from None
-        raise _unreachable(source.repo, settings, exc) from None
+        raise _unreachable(source.repo, source.revision, settings, exc, downloading=True) from None
     # Record the revision the user named (main when none), as `hf download` does: the download asked
     # for the commit, and a later offline plan looks the name up.
     _write_ref(settings.cache_dir, source.repo, source.revision, source.commit)

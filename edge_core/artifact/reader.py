@@ -51,6 +51,21 @@ def read_manifest(path: str | os.PathLike[str], digest_weights: bool = False) ->
                             "report this to edge's maintainers with the file that caused it", root) from None
 
 
+def missing_path(root: str) -> ArtifactError:
+    """The refusal for a model path that does not exist: what of it does, and a remedy for what it names."""
+    existing = os.path.dirname(os.path.abspath(root))
+    while existing and not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    where = f" (the nearest folder that exists is {existing})" if existing not in ("", os.sep) else ""
+    if root.lower().endswith(".onnx"):
+        remedy = ("check the path; an ONNX stage of a checkpoint is exported with `python scripts/export_stage.py` "
+                  "and planned as `edge plan --model STAGE.onnx`")
+    else:
+        remedy = ("check the path; for a model on the Hugging Face Hub pass its id (org/name), which edge plans "
+                  "without downloading, or download it first (`hf download ORG/NAME --local-dir DIR`) and pass DIR")
+    return ArtifactError("artifact_invalid", f"{root} does not exist{where}", remedy, root)
+
+
 def _read(root: str, digest_weights: bool) -> Manifest:
     if os.path.isfile(root):
         if root.lower().endswith(".onnx"):
@@ -64,9 +79,7 @@ def _read(root: str, digest_weights: bool) -> Manifest:
         raise ArtifactError("artifact_invalid", f"{root} is neither a regular file nor a directory",
                             "pass the model directory or a .onnx file", root)
     if not os.path.isdir(root):
-        raise ArtifactError("artifact_invalid", f"{root} does not exist or is not a directory",
-                            "download the model first (e.g. `huggingface-cli download <repo> --local-dir DIR`) "
-                            "and pass that directory", root)
+        raise missing_path(root)
     names = listdir(root)
     has_safetensors = INDEX_NAME in names or any(n.endswith(".safetensors") for n in names)
     graphs = sorted(n for n in names if n.lower().endswith(".onnx"))

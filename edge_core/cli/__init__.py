@@ -10,14 +10,15 @@ versioned schema (docs/json.md). One module per group of commands:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
+from .._version import __version__
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeError, UsageError
-from ._common import SCHEMA_VERSION, Parser
+from ._common import SCHEMA_VERSION, ArgumentError, Parser
 from .devices import add_device_commands
 from .models import add_models_command
 from .plan import add_plan_command
@@ -28,15 +29,17 @@ from .sessions import add_session_commands
 __all__ = ["SCHEMA_VERSION", "build_parser", "console_main", "main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     parser = Parser(
         prog="edge",
         description=(
             "Decide, before loading anything, which device this interpreter can run a model "
             "checkpoint on and with how many bytes; refuse with a reason and a remedy when none can."
         ),
-        epilog="exit codes: 0 ok/admitted, 2 refused, 3 parity divergence, 1 internal error, 64 usage error",
+        epilog=("exit codes: 0 ok/admitted, 2 refused, 3 parity divergence, 1 internal error, 64 usage error, "
+                "130 interrupted"),
     )
+    parser.add_argument("--version", action="version", version=f"edge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     add_device_commands(sub)
     add_plan_command(sub)
@@ -44,22 +47,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_commands(sub)
     add_serve_command(sub)
     add_session_commands(sub)
+    parser.commands = dict(sub.choices)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
         if args.command is None:
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
             parser.print_help()
             return EXIT_USAGE
+        if extra:  # the command's own parser says it, with the command's usage
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args.handler(args))
+    except ArgumentError as exc:  # already "edge COMMAND: ..."
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
     except UsageError as exc:
         print(f"edge: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except EdgeError as exc:
+        cause = exc.__cause__ if exc.exit_code == EXIT_INTERNAL else None  # a plugin's or a runtime's fault
+        if cause is not None and os.environ.get("EDGE_DEBUG"):
+            traceback.print_exception(cause)
         print(f"edge: {exc}", file=sys.stderr)
+        if cause is not None and not os.environ.get("EDGE_DEBUG"):
+            print("edge: rerun with EDGE_DEBUG=1 for the traceback", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("edge: interrupted", file=sys.stderr)
@@ -77,6 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+#: Modules whose native objects must be collected at shutdown: frozen, nanobind (triton's binding)
+#: reports every one of them as "leaked" on stderr, ~27 lines after the command's result.
+UNFREEZABLE_MODULES = ("torch", "triton", "vllm", "onnxruntime")
+
+
 def console_main() -> int:
     """The ``edge`` executable (and ``python -m edge_core``): :func:`main`, after which the process ends.
 
@@ -85,8 +106,12 @@ def console_main() -> int:
     finalizing: ~20 ms of a 0.14 s ``edge plan`` on the 2-core VM of
     docs/benchmarks.md. Freezing them first skips that walk; atexit handlers,
     thread joins, the flushing of stdout and stderr and the freeing of
-    module state still run. Not in :func:`main`, which tests call in-process.
+    module state still run. Only where no runtime was imported
+    (:data:`UNFREEZABLE_MODULES`): the commands that load an engine take
+    seconds anyway, and their native bindings need that last collection.
+    Not in :func:`main`, which tests call in-process.
     """
     code = main()
-    gc.freeze()
+    if not any(name in sys.modules for name in UNFREEZABLE_MODULES):
+        gc.freeze()
     return code

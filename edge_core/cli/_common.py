@@ -26,11 +26,18 @@ STRICT_ENV = "EDGE_STRICT"
 EXIT_STRICT = 1
 
 
+class ArgumentError(UsageError):
+    """A command line argparse rejected; the message already starts with the command (``edge plan: ...``)."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse exits 2 on usage errors; edge reserves 2 for refusals and uses 64."""
 
+    #: The command parsers by name (the top-level parser's; empty on a command's own).
+    commands: dict[str, argparse.ArgumentParser] = {}
+
     def error(self, message: str) -> Any:
-        raise UsageError(f"{self.prog}: {message}\n{self.format_usage().strip()}")
+        raise ArgumentError(f"{self.prog}: {message}\n{self.format_usage().strip()}")
 
 
 def plugin_options(parser: argparse.ArgumentParser) -> None:

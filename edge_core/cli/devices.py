@@ -62,6 +62,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return strict_exit(args, registry)
 
 
+#: What the marks after each device row mean (:data:`edge_core.devices.EVIDENCE`).
+EVIDENCE_LEGEND = "D read from the OS or an artifact, B the backend ran something here, E an estimate"
+
+
 def cmd_devices(args: argparse.Namespace) -> int:
     registry = registry_from(args)
     host, devices = discover(registry, mask_from(args))
@@ -108,4 +112,5 @@ def cmd_devices(args: argparse.Namespace) -> int:
             print(f"  {'':<22} compute capability {d.compute_capability}")
         if d.reason:
             print(f"  {'':<22} why: {d.reason}")
+    print(f"  [..]: evidence behind each row: {EVIDENCE_LEGEND}")
     return strict_exit(args, registry)

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from ..plan import DeviceVerdict, KVEstimate
     from ..plan.parallel import ParallelRequest
 
-def planning_options(parser: argparse.ArgumentParser) -> None:
+def planning_options(parser: argparse.ArgumentParser, max_num_seqs: int = 1) -> None:
+    """The options every command that plans a model takes; ``max_num_seqs`` is the command's default."""
     parser.add_argument("--model", metavar="DIR|ORG/NAME",
                         help="checkpoint directory, ONNX graph, or Hugging Face Hub id (an existing path wins; "
                              "then the Hugging Face cache; then the Hub at HF_ENDPOINT, planned from the "
@@ -44,8 +45,8 @@ def planning_options(parser: argparse.ArgumentParser) -> None:
                         help="branch, tag or commit of a Hub id (default: main)")
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
                         help="context length to budget for (default: the model's max_position_embeddings)")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=1, metavar="N",
-                        help="sequences decoded at once (default 1)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs, metavar="N",
+                        help=f"sequences decoded at once; sizes the KV pool (default {max_num_seqs})")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
                         help="tokens per forward pass (default min(max-model-len, 2048))")
     parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
@@ -151,6 +152,8 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
     else:
         host, devices = discover(registry, mask)
         source = "probed"
+    for warning in registry.warnings:  # as `edge plugins` and `edge devices` say them
+        print(f"edge: warning: {warning}", file=sys.stderr)
     devices = only_backend(devices, getattr(args, "backend", None), registry)
     revision = getattr(args, "revision", None)
 
@@ -229,17 +232,13 @@ def fetch_model(plan: Plan) -> ModelSource | Plan:
                        selected_device=None, reservations=(), peak=None, capacity_bytes=None, engine_kwargs={})
 
 
-def gib(value: int) -> str:
-    """GiB for the sizes a budget refusal is about; MiB below one GiB, where 0.00 GiB would hide a term."""
-    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else mib(value)
-
-
 def reservation_lines(terms: tuple[Reservation, ...], indent: str = "  ") -> list[str]:
     """The reservation table: one row per term, headroom marked."""
-    lines = [f"{indent}{'purpose':<22} {'bytes':>12}  {'pool':<9} {'lifetime':<16} ev"]
+    width = max([22, *(len(term.purpose) for term in terms)])
+    lines = [f"{indent}{'purpose':<{width}} {'bytes':>12}  {'pool':<9} {'lifetime':<16} ev"]
     for term in terms:
         mark = "  (headroom)" if term.headroom else ""
-        lines.append(f"{indent}{term.purpose:<22} {mib(term.bytes):>12}  {term.pool:<9} {term.lifetime:<16} "
+        lines.append(f"{indent}{term.purpose:<{width}} {mib(term.bytes):>12}  {term.pool:<9} {term.lifetime:<16} "
                      f"{term.evidence}{mark}")
     return lines
 
@@ -259,10 +258,10 @@ def kv_line(kv: KVEstimate) -> str:
 def budget_summary(row: DeviceVerdict) -> str:
     """One line: what the refused device needed against what it has, term by term."""
     assert row.peak is not None
-    capacity = gib(row.capacity_bytes) if row.capacity_bytes is not None else "an unknown capacity"
-    usage = ", ".join(f"{t.purpose} {gib(t.bytes)}" for t in row.reservations if not t.headroom)
-    return (f"{row.device_id} needs {gib(row.peak.admission_bytes)} of {capacity} ({row.gate} gate): {usage}, "
-            f"headroom {gib(row.peak.headroom_bytes)}")
+    capacity = mib(row.capacity_bytes) if row.capacity_bytes is not None else "an unknown capacity"
+    usage = ", ".join(f"{t.purpose} {mib(t.bytes)}" for t in row.reservations if not t.headroom)
+    return (f"{row.device_id} needs {mib(row.peak.admission_bytes)} of {capacity} ({row.gate} gate): {usage}, "
+            f"headroom {mib(row.peak.headroom_bytes)}")
 
 
 def budget_explanation(row: DeviceVerdict) -> list[str]:

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import re
+import stat
 import sys
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..artifact import DEMO_MODEL, DEMO_MODEL_HD16
 from ..errors import EXIT_DIVERGED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, UsageError
 from ..plan import GraphStagePlan, Plan
 from ..registry import Registry
@@ -56,8 +60,9 @@ def record_options(parser: argparse.ArgumentParser) -> None:
 def engine_log_options(parser: argparse.ArgumentParser) -> None:
     """Where the engine's own output goes: a log file per session (default), a named file, or the terminal."""
     parser.add_argument("--engine-log", metavar="PATH",
-                        help="write the engine's own output here ('-': the terminal); default: a new file under "
-                             "the temp dir, printed at start, kept only when the engine fails")
+                        help="write the engine's own output here, and keep it ('-': the terminal); default: a new "
+                             "file in <tmp>/edge-logs-<uid> (0700, the file 0600), printed at start, kept only when "
+                             "the engine fails or a server is force-stopped")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the engine's output live (= --engine-log -)")
 
 
@@ -79,7 +84,8 @@ def add_run_commands(sub: Any) -> None:
     common_options(run)
     mask_option(run)
     planning_options(run)
-    run.add_argument("--prompt", metavar="TEXT", help="the prompt (default: stdin when piped, else a demo prompt)")
+    run.add_argument("--prompt", metavar="TEXT", help="the prompt (default: stdin when piped, an empty pipe being an error; else a "
+                                                         "demo prompt)")
     run.add_argument("--max-tokens", type=positive_int, default=64, metavar="N", help="tokens to generate (64)")
     run.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="0 = greedy (default)")
     run.add_argument("--seed", type=int, metavar="N", help="sampling seed (with --temperature > 0)")
@@ -208,6 +214,31 @@ def describe_stage_record(record: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: Shown for a control character or an undecodable byte (U+FFFD) of generated text on the terminal.
+UNPRINTABLE_MARK = "\u00b7"
+#: C0 and C1 controls but newline and tab, DEL, and U+FFFD: what a terminal would act on or show as breakage.
+UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ufffd]")
+
+
+def printable(text: str) -> str:
+    """Generated text as the terminal gets it: no escape sequence or control byte reaches it (JSON keeps the text)."""
+    return UNPRINTABLE.sub(UNPRINTABLE_MARK, text)
+
+
+def is_demo(model_path: str) -> bool:
+    """True for the bundled random-weight checkpoints."""
+    here = os.path.realpath(model_path)
+    return any(here == os.path.realpath(demo) for demo in (DEMO_MODEL, DEMO_MODEL_HD16))
+
+
+def finish_note(reason: str, generated: int, asked: int, context: int | None) -> str:
+    """Why the output ended; a ``length`` stop short of ``--max-tokens`` was the context, and says so."""
+    if reason != "length" or generated >= asked:
+        return reason
+    return (f"length: cut at the {context}-token context, which holds the prompt and these {generated}; "
+            f"--max-tokens asked for {asked}")
+
+
 def prompt_from(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         if not args.prompt.strip():
@@ -217,9 +248,20 @@ def prompt_from(args: argparse.Namespace) -> str:
         text = sys.stdin.read()
         if text.strip():
             return text
-    # No prompt anywhere (a terminal, /dev/null, an empty pipe): the demo prompt,
-    # so `edge run` with no arguments shows the whole path.
+        if piped(sys.stdin):
+            raise UsageError("the prompt piped to stdin is empty; pipe some text, or give --prompt TEXT")
+    # No prompt anywhere (a terminal, /dev/null): the demo prompt, so `edge run`
+    # with no arguments shows the whole path.
     return DEFAULT_PROMPT
+
+
+def piped(stream: Any) -> bool:
+    """True when ``stream`` is a pipe or a regular file (something meant as input), not a terminal or /dev/null."""
+    try:
+        mode = os.fstat(stream.fileno()).st_mode
+    except (OSError, ValueError, AttributeError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISREG(mode)
 
 
 # ---------------------------------------------------------------- edge run
@@ -257,11 +299,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.json:
         print_plan(plan, plan_s, explain=args.explain)
         print(flush=True)
+    context = plan.session.max_model_len
+    if context is not None and args.max_tokens >= context:
+        say(f"edge: warning: --max-tokens {args.max_tokens} does not fit the {context}-token context beside the "
+            f"prompt; the output stops when the context is full (--max-model-len sets it)")
     from ..runtime import run_session
+
+    if not args.json and is_demo(plan.model_path):
+        say("edge: the demo checkpoint has random weights: the text below is noise (bytes that are no "
+            f"printable text shown as {UNPRINTABLE_MARK}); the plan, the engine and the stream are real")
 
     def show(event: DeltaEvent) -> None:
         if not args.json and event.text:
-            sys.stdout.write(event.text)
+            sys.stdout.write(printable(event.text))
             sys.stdout.flush()
 
     engine_log, keep = engine_log_from(args, "run")
@@ -284,7 +334,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 say("edge: interrupted while the engine was starting; no request ran")
         if result is not None and result.token_ids:
             rate = "-" if result.decode_tokens_per_s is None else f"{result.decode_tokens_per_s:.1f}"
-            print(f"tokens    {len(result.token_ids)} ({result.finish_reason or outcome.outcome}); engine start "
+            ended = finish_note(result.finish_reason or outcome.outcome, len(result.token_ids), args.max_tokens,
+                                context)
+            print(f"tokens    {len(result.token_ids)} ({ended}); engine start "
                   f"{outcome.start_s:.1f} s, first token {result.time_to_first_token_s or 0:.3f} s, "
                   f"decode {rate} tok/s")
         for line in budget_lines(outcome.memory):
@@ -308,8 +360,9 @@ def cmd_accept(args: argparse.Namespace) -> int:
     masked_plan, _, masked_s = plan_here(args, mask_from(args) | {plan.selected_device.kind})
     from ..runtime import run_acceptance
 
+    engine_log, keep = engine_log_from(args, "accept")
     document = run_acceptance(plan, registry, visible_s=visible_s, masked_plan=masked_plan, masked_s=masked_s,
-                              observer=TerminalObserver(), engine_log=engine_log_from(args, "accept")[0])
+                              observer=TerminalObserver(), engine_log=engine_log, keep_log=keep)
     write_document(document, "accept", args.json)
     for criterion in document["criteria"]:
         say(f"edge: {'PASS' if criterion['passed'] else 'FAIL'} {criterion['name']}: {criterion['detail']}")
@@ -347,8 +400,9 @@ def cmd_parity(args: argparse.Namespace) -> int:
             return EXIT_REFUSED
     from ..runtime import run_parity
 
+    engine_log, keep = engine_log_from(args, "parity")
     document = run_parity(plan, registry, max_tokens=args.max_tokens, observer=TerminalObserver(),
-                          engine_log=engine_log_from(args, "parity")[0], reference_plan=reference)
+                          engine_log=engine_log, reference_plan=reference, keep_log=keep)
     write_document(document, "parity", args.json)
     rows = document["prompts"]
     diverged = [row for row in rows if not row["identical"]]

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, UsageError
 from ..plan import Refusal
 from ._common import mask_option, mib, plugin_options, positive_int, write_document
 from .plan import planning_options, print_plan
@@ -39,8 +39,7 @@ def add_serve_command(sub: Any) -> None:
     serve.add_argument("--json", action="store_true", help="print the lifetime record as JSON when the server stops")
     plugin_options(serve)
     mask_option(serve)
-    planning_options(serve)
-    serve.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS)
+    planning_options(serve, max_num_seqs=SERVE_MAX_NUM_SEQS)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1: this machine only; another address without "
                             "--api-key prints a warning)")
@@ -85,32 +84,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"(the KV pool is sized for that; up to {fit} would fit on {device.device_id}: --max-num-seqs)",
               flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(manifest.path))
-    engine_log, _ = engine_log_from(args, "serve")
-    record = serve_plan(plan, registry, host=args.host, port=args.port, served_model_name=name,
-                        api_key=args.api_key, drain_timeout_s=max(args.drain_timeout, 0.0),
-                        observer=TerminalObserver(), engine_log=engine_log, plan_document=document)
+    engine_log, keep = engine_log_from(args, "serve")
+    try:
+        record = serve_plan(plan, registry, host=args.host, port=args.port, served_model_name=name,
+                            api_key=args.api_key, drain_timeout_s=max(args.drain_timeout, 0.0),
+                            observer=TerminalObserver(), engine_log=engine_log, plan_document=document)
+    except UsageError:  # the address, before anything started: the log is still empty
+        if not keep:
+            engine_log.remove()
+        raise
     server = record["server"]
     memory = record["memory"]
     if args.json:
         write_document(record, "serve")
     else:
         ratio = memory["ratio"]
-        say(f"edge: stopped by {server['stopped_by'] or 'the server'}: {server['requests_served']} requests served"
-            f" ({server['requests_failed']} failed), {'drained' if server['drained'] else 'in-flight aborted'}; "
+        say(f"edge: stopped by {server['stopped_by'] or 'the server'}: {plural(server['requests_served'], 'request')} "
+            f"served ({server['requests_failed']} failed), {'drained' if server['drained'] else 'in-flight aborted'}; "
             f"predicted peak {mib(memory['predicted_peak_bytes'])} vs measured "
             f"{mib(memory['measured_attributable_bytes'])} ({'-' if ratio is None else f'{ratio:.3f}'}); "
             f"{'no process left' if not record['processes_left'] else 'processes left: ' + str(record['processes_left'])}")
     sys.stdout.flush()
-    quiet_exit(engine_log)
+    quiet_exit(engine_log, keep=keep or bool(record["processes_left"]))
     return EXIT_INTERRUPTED if server["stopped_by"] == "SIGINT" else EXIT_OK
 
 
-def quiet_exit(engine_log: Any) -> None:
-    """After the summary, the runtime's exit-time noise (native leak reports at interpreter teardown) goes to its log."""
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def quiet_exit(engine_log: Any, keep: bool) -> None:
+    """After the summary, the runtime's exit-time noise goes to its log, which a clean stop then removes.
+
+    The log is kept when asked for (``--engine-log PATH``) or when a process was left; a server that
+    failed never gets here (the error quotes the log and keeps it).
+    """
     if engine_log.path is None:
         return
     sys.stderr.flush()
     fd = engine_log.open_fd()
+    if not keep:
+        engine_log.remove()  # the descriptor stays writable: what comes after the summary goes nowhere
     if fd is not None:
         os.dup2(fd, 2)
         os.close(fd)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..budget import peak as combine
 from ..errors import ArtifactError, UsageError
-from ..registry import install_hint
+from ..registry import SKIPPED, install_hint
 from .capacity import capacity_of
 from .execution import execution_mode, with_mode
 from .kv import estimate_kv
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..devices import Device
     from ..host import HostFacts
     from ..host_ledger import LedgerView
-    from ..registry import Registry
+    from ..registry import PluginRecord, Registry
     from .kv import KVEstimate
     from .parallel import DeviceShare
 
@@ -213,10 +213,16 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
         refusals = list(all_refusals)
         if not any(d.runnable for d in devices if not d.masked) or not refusals:
             why = "; ".join(f"{v.device_id}: {v.note}" for v in verdicts if v.note) or "no device was found"
+            remedy = ("install the backend for this machine's hardware in this venv (edge devices lists what "
+                      "is missing), or unmask a kind you masked")
+            left_out = left_out_plugins(plugins)
+            if left_out:
+                why += f"; the installed {left_out} was not loaded (--plugins / --block, or their env)"
+                remedy = (f"load {left_out}: drop --plugins / --block (or EDGE_PLUGINS / EDGE_BLOCK_PLUGINS), or "
+                          "name it in --plugins; " + remedy)
             refusals.insert(0, Refusal(
                 code="no_runnable_device", message=f"no device this interpreter drives can take the session ({why})",
-                remedy=("install the backend for this machine's hardware in this venv (edge devices lists what "
-                        "is missing), or unmask a kind you masked"),
+                remedy=remedy,
             ))
         # The selected session's fields stay empty (nothing was selected); the KV
         # estimate is the request's, so the first candidate that computed one says it.
@@ -300,3 +306,11 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
         refusal = committed_refusal(device, total.admission_bytes, capacity, committed, ledger.holders(pool))
         return replace(kept, refusals=(refusal,), gate="capacity")
     return kept
+
+
+def left_out_plugins(plugins: list[PluginRecord]) -> str:
+    """``plugin 'cpu'`` (``plugins 'cpu', 'cuda'``) for installed backends the allow- or block-list kept out; or ''."""
+    names = [r.name for r in plugins if r.status in SKIPPED]
+    if not names:
+        return ""
+    return ("plugin " if len(names) == 1 else "plugins ") + ", ".join(repr(n) for n in names)

@@ -132,6 +132,11 @@ def load_devices(path: str, registry: Registry, mask: frozenset[str] = frozenset
         devices, host_doc = load_device_list(path)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    cpus = [i for i, d in enumerate(devices) if d.kind == "cpu"]
+    if cpus and not host_doc:
+        raise UsageError(f"device list {path}: devices[{cpus[0]}] is a CPU ({devices[cpus[0]].device_id}) but the "
+                         "list has no 'host' section (its memory and NUMA nodes, which a CPU plan reads); save "
+                         "the whole output of `edge devices --json` on that machine")
     registry.load()
     return (HostFacts.from_dict(host_doc) if host_doc else None), apply_mask(devices, mask)
 

@@ -113,8 +113,11 @@ def cancel_mid_request(session: StageSession) -> dict[str, Any]:
 
 
 def run_acceptance(plan: Plan, registry: Registry, *, visible_s: float, masked_plan: Plan, masked_s: float,
-                   observer: Observer | None = None, engine_log: EngineLog | None = None) -> dict[str, Any]:
+                   observer: Observer | None = None, engine_log: EngineLog | None = None,
+                   keep_log: bool = False) -> dict[str, Any]:
     """The acceptance run of an admitted ``plan``; ``masked_plan`` was planned with its device kind masked.
+
+    ``keep_log`` keeps the engine log after a clean run (a path the user named).
 
     Returns the record: ``outcome`` ``passed`` or ``failed``, the failed
     criteria by name, every criterion with its evidence, medians, timings,
@@ -124,7 +127,7 @@ def run_acceptance(plan: Plan, registry: Registry, *, visible_s: float, masked_p
     criteria = decision_criteria(plan, visible_s, masked_plan, masked_s)
     results = []
     cancel_info: dict[str, Any] = {}
-    session = StageSession(plan, registry, said, engine_log=engine_log)
+    session = StageSession(plan, registry, said, engine_log=engine_log, keep_log=keep_log)
     with session:
         for index, prompt in enumerate(PROMPTS):
             request = StageRequest(prompt=prompt, max_tokens=ACCEPT_TOKENS, temperature=0.0, ignore_eos=True)

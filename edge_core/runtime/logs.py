@@ -2,9 +2,11 @@
 
 An engine start prints 30+ lines of vLLM warnings (Triton, LD_PRELOAD, eager
 mode, NUMA binding) between edge's plan and the tokens. By default each
-session sends them to a log file of its own — the path is printed, the file
-is kept when the engine fails, removed after a clean run unless asked to
-keep it — and ``-v`` / ``--engine-log -`` shows them live instead.
+session sends them to a log file of its own, private to the user
+(:func:`default_log_dir`) — the path is printed, the file is kept when the
+engine fails, removed after a clean run unless asked to keep it
+(``--engine-log PATH``) — and ``-v`` / ``--engine-log -`` shows them live
+instead.
 
 Three channels carry the engine's output, and each is routed:
 
@@ -26,17 +28,20 @@ import contextlib
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
+from ..errors import UsageError
 from .processes import describe_exit_code
 
 #: The session's engine log: a file path, or ``-`` for the terminal.
 ENGINE_LOG_ENV = "EDGE_ENGINE_LOG"
-#: Where logs go when the user names none: one file per session.
-DEFAULT_LOG_DIR = os.path.join(tempfile.gettempdir(), "edge-logs")
+#: Where logs go when the user names none: one file per session, in a folder of this user's alone
+#: (0700; the files 0600): an engine log can hold prompts.
+LOG_DIR_NAME = "edge-logs-{uid}"
 #: Lines of a failed engine's log that say why, in the order they appear.
 CAUSE_PATTERN = re.compile(
     r"(Error|Exception|Traceback|FATAL|Fatal|fatal|Killed|SIGILL|SIGSEGV|SIGKILL|SIGABRT|Aborted|"
@@ -47,6 +52,25 @@ CAUSE_LINES = 8
 WORKER_DEATH = re.compile(r"Worker proc (?P<name>\S+) died unexpectedly \(exit code: (?P<code>-?\d+)\)")
 
 
+def default_log_dir() -> str:
+    """``<tmp>/edge-logs-<uid>``, made 0700 if new; refused when it is not this user's own private folder."""
+    path = os.path.join(tempfile.gettempdir(), LOG_DIR_NAME.format(uid=os.getuid()))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UsageError(f"cannot make the engine log folder {path}: {exc.strerror or exc}; name a file with "
+                         "--engine-log PATH (or -v for the terminal)") from None
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise UsageError(f"the engine log folder {path} is not a folder of yours; remove it, or name a file with "
+                         "--engine-log PATH (or -v for the terminal)")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
 @dataclass(frozen=True)
 class EngineLog:
     """One session's engine log file (``path`` None: the terminal)."""
@@ -55,15 +79,26 @@ class EngineLog:
 
     @classmethod
     def for_session(cls, choice: str | None, label: str) -> EngineLog:
-        """``choice`` ``-`` is the terminal, a path is that file, None a new file under :data:`DEFAULT_LOG_DIR`."""
+        """``choice`` ``-`` is the terminal, a path is that file, None a new file in :func:`default_log_dir`.
+
+        The file is created here, 0600 (a file the user named keeps the mode it has), before vLLM's
+        logging or any engine process opens it with the umask's mode.
+        """
         if choice == "-":
             return cls(None)
         if choice:
-            return cls(os.path.abspath(choice))
-        os.makedirs(DEFAULT_LOG_DIR, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)[:40]
-        return cls(os.path.join(DEFAULT_LOG_DIR, f"{stamp}-{safe}-{os.getpid()}.log"))
+            path = os.path.abspath(choice)
+        else:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)[:40]
+            path = os.path.join(default_log_dir(), f"{stamp}-{safe}-{os.getpid()}.log")
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        except OSError as exc:
+            raise UsageError(f"cannot write the engine log {path}: {exc.strerror or exc}; name another with "
+                             "--engine-log PATH (or -v for the terminal)") from None
+        return cls(path)
 
     @classmethod
     def from_environ(cls, environ: MutableMapping[str, str] | None = None) -> EngineLog:
@@ -90,7 +125,7 @@ class EngineLog:
             "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
         }
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(config_path, "w", encoding="utf-8") as handle:
+        with open(os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as handle:
             json.dump(config, handle)
         env["VLLM_CONFIGURE_LOGGING"] = "1"
         env["VLLM_LOGGING_CONFIG_PATH"] = config_path

@@ -44,7 +44,8 @@ def layout_label(plan: Plan) -> str:
 
 
 def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Observer | None = None,
-               engine_log: EngineLog | None = None, reference_plan: Plan | None = None) -> dict[str, Any]:
+               engine_log: EngineLog | None = None, reference_plan: Plan | None = None,
+               keep_log: bool = False) -> dict[str, Any]:
     """Both runs of an admitted ``plan``; the record's ``outcome`` is ``identical`` or ``diverged``.
 
     The runtime alone runs ``reference_plan`` (another layout of the same
@@ -76,7 +77,8 @@ def run_parity(plan: Plan, registry: Registry, *, max_tokens: int, observer: Obs
         raise StageError(f"the reference run left processes {plain_info['leftover_pids']} running; the second "
                          "engine must not start beside them")
     edge_ids: list[list[int]] = []
-    session = StageSession(plan, registry, said, node_prep=node_prep, prepared=True, engine_log=engine_log)
+    session = StageSession(plan, registry, said, node_prep=node_prep, prepared=True, engine_log=engine_log,
+                           keep_log=keep_log)
     with session:
         for index, prompt in enumerate(PROMPTS):
             request = StageRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -26,8 +26,12 @@ import time
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from ..errors import StageError
+from ..host_ledger import current
 from ..serving import ServerOptions, ServerReport
+from . import reaper
 from .env import apply_runtime_env
 from .logs import EngineLog
 from .processes import OwnProcessGroup, children, reap
@@ -155,15 +159,41 @@ class VllmServer:
 
     def _on_signal(self, signum: int, loop: asyncio.AbstractEventLoop, app: Any, engine: Any) -> None:
         if self._stopping:  # a second signal: no more waiting
-            for pid in self.stage_pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            os._exit(FORCED_EXIT_CODE)
+            self.force_stop(signal.Signals(signum).name)
         self._stopping = True
         self.stopped_by = signal.Signals(signum).name
         loop.create_task(self._stop(app, engine))
+
+    def force_stop(self, signame: str) -> None:
+        """Kill every engine process now, say which on stderr, drop the ledger record, and end the process."""
+        reaper_script = os.path.abspath(reaper.__file__)
+        tree = children()
+        named = []
+        for pid in sorted(set(self.stage_pids) | set(tree)):
+            process = tree.get(pid)
+            try:
+                name = process.name() if process is not None else "engine"
+                if process is not None and reaper_script in process.cmdline():
+                    continue  # the session's reaper: it outlives this process to check that nothing is left
+            except psutil.Error:
+                name = "engine"
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue  # already gone
+            named.append(f"{pid} ({name})")
+        log = EngineLog.from_environ().path
+        killed = f"killed {', '.join(named)} with SIGKILL" if named else "no engine process was left to kill"
+        message = (f"edge: forced stop (a second {signame}): {killed}; in-flight requests were dropped, not drained"
+                   + (f"; engine log kept: {log}" if log else "") + "\n")
+        registration = current()
+        if registration is not None:
+            registration.remove()
+        try:
+            os.write(2, message.encode())
+        except OSError:
+            pass
+        os._exit(FORCED_EXIT_CODE)
 
     async def _stop(self, app: Any, engine: Any) -> None:
         server = getattr(app.state, "server", None)
