@@ -17,7 +17,7 @@ holes are a small model's problem, and a budget cannot predict them.
 :func:`trim_after_load` runs in every process vLLM starts (the
 ``vllm.general_plugins`` entry point, like :mod:`._amx`). It imports nothing
 of vLLM: a finder on ``sys.meta_path`` waits for vLLM's CPU worker module to
-be imported (only worker processes import it) and then wraps
+be imported (only worker processes import it; :mod:`._imports`) and then wraps
 ``CPUWorker.load_model``, so the heap is trimmed after the weights are loaded
 and packed, before the worker sizes and allocates its KV cache. It covers
 plain vLLM in this venv too; vLLM's ``VLLM_PLUGINS`` (a list of the general
@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.abc
-import importlib.util
 import logging
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from ._imports import AfterImport
 
 log = logging.getLogger(__name__)
 
@@ -73,29 +73,12 @@ def wrap_worker(module: Any, trimmer: Callable[[], bool | None] = trim) -> bool:
     return True
 
 
-class WrapOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``module`` is imported, has its loader wrap the worker once the module has run."""
+class WrapOnImport(AfterImport):
+    """Finds nothing itself: when ``module`` is imported, wraps its worker's ``load_model`` (:func:`wrap_worker`)."""
 
     def __init__(self, module: str = WORKER_MODULE, trimmer: Callable[[], bool | None] = trim) -> None:
-        self.module, self.trimmer = module, trimmer
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != self.module:
-            return None
-        sys.meta_path.remove(self)  # once, and so that the lookup below finds the real module
-        spec = importlib.util.find_spec(name)
-        loader = spec.loader if spec is not None else None
-        execute = getattr(loader, "exec_module", None)
-        if execute is None:
-            return spec
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            if not wrap_worker(module, self.trimmer):
-                log.debug("edge-cpu: %s has no %s.load_model; the heap is not trimmed", self.module, WORKER_CLASS)
-
-        setattr(loader, "exec_module", exec_module)  # noqa: B010 - this spec's own loader, not its class
-        return spec
+        super().__init__(module, functools.partial(wrap_worker, trimmer=trimmer))
+        self.trimmer = trimmer
 
 
 def trim_after_load() -> None:
