@@ -60,6 +60,8 @@ VOCAB_PADDING_SIZE = 64
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 #: safetensors dtype codes of the unquantized weights vLLM CPU re-packs for oneDNN.
 _FLOAT_CODES = frozenset({"BF16", "F16", "F32"})
+#: How the vocab tables' tensors are named in a checkpoint (left out of the linear matrices).
+_TABLE_NAMES = ("embed_tokens.weight", "lm_head.weight")
 #: glibc's largest dynamic mmap threshold on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``): a block of this size
 #: or more is always mmapped, so freeing it gives it back; smaller ones may come from the main heap.
 MMAP_THRESHOLD_MAX = 32 << 20
@@ -249,11 +251,11 @@ def largest_linear_bytes(manifest: Any, share: DeviceShare | None = None) -> int
     if table is None or not len(table):
         return None
     largest = 0
-    for shard in table.shards():
-        for name, code, nbytes in zip(shard.names, shard.dtypes, shard.nbytes):
-            if code in _FLOAT_CODES and ".experts." not in name and not name.endswith(
-                    ("embed_tokens.weight", "lm_head.weight")):
-                largest = max(largest, nbytes)
+    for shard in table.shards():  # whole columns, in C, as small_float_bytes asks them
+        floats = map(operator.and_, map(_FLOAT_CODES.__contains__, shard.dtypes),
+                     map(operator.not_, map(operator.or_, map(operator.contains, shard.names, repeat(".experts.")),
+                                            map(str.endswith, shard.names, repeat(_TABLE_NAMES)))))
+        largest = max(largest, max(compress(shard.nbytes, floats), default=0))
     ranks = share.ranks_here if share is not None else 1
     tp = share.layout.tp if share is not None else 1
     return 2 * ranks * (largest // tp)
