@@ -13,12 +13,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from factories import llama_like_tensors, tiny_config, write_checkpoint
 
+#: The bundled demo's tokenizer, which the checkpoints here borrow.
+DEMO = Path(__file__).resolve().parents[3] / "edge_core" / "demo" / "tiny-llama"
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 pytestmark = [
     pytest.mark.engine,
@@ -50,6 +54,8 @@ def engine_probe(tmp_path_factory, tied: bool, env: dict[str, str]) -> dict:
     config = tiny_config(vocab_size=8192, tie_word_embeddings=tied, num_hidden_layers=2)
     model = write_checkpoint(tmp_path_factory.mktemp("tied" if tied else "untied"), config,
                              llama_like_tensors(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEMO / name, model / name)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_CPU_")} | env
     proc = subprocess.run([sys.executable, "-c", CHILD, str(model)], capture_output=True, text=True, timeout=600,
                           env=environ, stdin=subprocess.DEVNULL)
