@@ -28,7 +28,7 @@ is wrapped; a head is tied when it holds the very weight tensor of an
 embedding). The packing and the trims happen in the worker; :func:`probe`
 reads them back there (through ``collective_rpc``). Nothing of vLLM is
 imported until vLLM imports those modules itself (:mod:`._imports`);
-docs/benchmarks.md#each-weight-held-once has the A/B figures.
+docs/benchmarks.md ("Each weight held once") has the A/B figures.
 """
 
 from __future__ import annotations
