@@ -17,7 +17,7 @@ holes are a small model's problem, and a budget cannot predict them.
 :func:`trim_after_load` runs in every process vLLM starts (the
 ``vllm.general_plugins`` entry point, like :mod:`._amx`). It imports nothing
 of vLLM: a finder on ``sys.meta_path`` waits for vLLM's CPU worker module to
-be imported (only worker processes import it; :mod:`._on_import`) and then wraps
+be imported (only worker processes import it; :mod:`._imports`) and then wraps
 ``CPUWorker.load_model``, so the heap is trimmed after the weights are loaded
 and packed, before the worker sizes and allocates its KV cache. It covers
 plain vLLM in this venv too; vLLM's ``VLLM_PLUGINS`` (a list of the general
@@ -34,7 +34,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ._on_import import AfterImport
+from ._imports import AfterImport
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ class WrapOnImport(AfterImport):
     """Finds nothing itself: when ``module`` is imported, wraps its worker's ``load_model`` (:func:`wrap_worker`)."""
 
     def __init__(self, module: str = WORKER_MODULE, trimmer: Callable[[], bool | None] = trim) -> None:
-        super().__init__(module, lambda loaded: wrap_worker(loaded, trimmer))
+        super().__init__(module, functools.partial(wrap_worker, trimmer=trimmer))
+        self.trimmer = trimmer
 
 
 def trim_after_load() -> None:

@@ -11,7 +11,7 @@ weights.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,7 @@ from edge_core import HostFacts, Reservation
 from edge_core.host import read_host
 from edge_core.vllm_hooks import architectures
 
-from . import _vllm_support
+from . import _packing, _vllm_support
 
 if TYPE_CHECKING:
     from edge_core.plan.parallel import DeviceShare
@@ -60,6 +60,8 @@ VOCAB_PADDING_SIZE = 64
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 #: safetensors dtype codes of the unquantized weights vLLM CPU re-packs for oneDNN.
 _FLOAT_CODES = frozenset({"BF16", "F16", "F32"})
+#: How the vocab tables' tensors are named in a checkpoint (left out of the linear matrices).
+_TABLE_NAMES = ("embed_tokens.weight", "lm_head.weight")
 #: glibc's largest dynamic mmap threshold on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``): a block of this size
 #: or more is always mmapped, so freeing it gives it back; smaller ones may come from the main heap.
 MMAP_THRESHOLD_MAX = 32 << 20
@@ -202,9 +204,70 @@ def small_float_bytes(manifest: Any, share: DeviceShare | None = None) -> int | 
     return small if share is None or not stored else small * _weight_bytes(manifest) // stored
 
 
-def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShare | None = None) -> list[Reservation]:
+def _stage_rows(vocab: int, share: DeviceShare | None, first: bool) -> int:
+    """Rows of one vocab table summed over the ranks of the last stage, those also in the first (``first``) or not."""
+    if share is None:
+        return vocab if first else 0
+    tp, last = share.layout.tp, share.layout.pp - 1
+    per_rank = -(-vocab // VOCAB_PADDING_SIZE) * VOCAB_PADDING_SIZE // tp
+    return sum(per_rank for rank in share.ranks if rank // tp == last and (rank // tp == 0) == first)
+
+
+def _table_row_bytes(manifest: Any) -> tuple[int, int]:
+    """(vocab, bytes of one row) of the vocab tables, from config.json; (0, 0) where it does not say."""
+    config = getattr(manifest, "config", None) or {}
+    text = _text_config(manifest)
+    vocab, hidden = text.get("vocab_size", config.get("vocab_size")), text.get("hidden_size")
+    if not isinstance(vocab, int) or not isinstance(hidden, int):
+        return 0, 0
+    return vocab, hidden * _DTYPE_BYTES.get(str(getattr(manifest, "dtype", None) or text.get("torch_dtype")), 2)
+
+
+def one_table_bytes(manifest: Any, share: DeviceShare | None, head_module: bool, shared_table: bool
+                    ) -> tuple[int, int]:
+    """(held, transient) bytes of packed vocab tables with edge-cpu's ``EDGE_CPU_ONE_TABLE`` lever on.
+
+    The embedding is packed only when asked for a product (a class without
+    an LM head module), an untied head drops its float weight once packed (so
+    its packed copy replaces it, but both exist while it is packed: the
+    transient), and a tied head packs one copy beside the float table, or
+    none with ``EDGE_CPU_SHARED_TABLE`` (edge_cpu/_packing.py). Per rank of
+    ``share``: a last stage that is not the first holds its head untied.
+    """
+    vocab, row = _table_row_bytes(manifest)
+    tied = _tied(manifest)
+    both, last_only = _stage_rows(vocab, share, True), _stage_rows(vocab, share, False)
+    held = both * row if tied and (not head_module or not shared_table) else 0
+    transient = (last_only + (0 if tied else both)) * row
+    weights = _weight_bytes(manifest)
+    return (min(held, weights), min(transient, weights)) if weights else (held, transient)
+
+
+def largest_linear_bytes(manifest: Any, share: DeviceShare | None = None) -> int | None:
+    """Twice the largest float matrix outside the vocab tables and experts, summed over the ranks of ``share``:
+    what re-packing holds beside the weights at once when each freed original is trimmed as it goes (a merged
+    gate/up or q/k/v matrix is packed beside its float copy); None where the manifest has no tensor table."""
+    table = getattr(manifest, "tensors", None)
+    if table is None or not len(table):
+        return None
+    largest = 0
+    for shard in table.shards():  # whole columns, in C, as small_float_bytes asks them
+        floats = map(operator.and_, map(_FLOAT_CODES.__contains__, shard.dtypes),
+                     map(operator.not_, map(operator.or_, map(operator.contains, shard.names, repeat(".experts.")),
+                                            map(str.endswith, shard.names, repeat(_TABLE_NAMES)))))
+        largest = max(largest, max(compress(shard.nbytes, floats), default=0))
+    ranks = share.ranks_here if share is not None else 1
+    tp = share.layout.tp if share is not None else 1
+    return 2 * ranks * (largest // tp)
+
+
+def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShare | None = None,
+                 levers: Mapping[str, bool] | None = None) -> list[Reservation]:
     """vLLM CPU's own terms for a session; with ``share``, for every rank of a parallel layout it runs here.
 
+    ``levers`` (by variable, default: this process's environment, as the
+    engine will read it) says which of edge-cpu's packing levers are on
+    (edge_cpu/_packing.py); the table and re-packing terms follow them.
     Under a share ``manifest.weight_bytes`` is already the ranks' slices
     summed (the core replaced it), so the repack term follows them; the file
     mapping and the packed tables are counted per rank (:func:`mapped_shard_bytes`,
@@ -216,13 +279,32 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
     architecture = next(iter(architectures(manifest)), None)
     head_module = architecture is None or _vllm_support.logits_from_embedding(
         _vllm_support.installed_source(), architecture) is not True
-    packed = packed_table_bytes(manifest, share, head_module)
+    on = _packing.levers() if levers is None else levers
+    one_table, trim_each = on.get(_packing.ONE_TABLE_ENV, False), on.get(_packing.REPACK_TRIM_ENV, False)
+    shared_table = one_table and on.get(_packing.SHARED_TABLE_ENV, False)
+    if one_table:
+        packed, head_transient = one_table_bytes(manifest, share, head_module, shared_table)
+    else:
+        packed, head_transient = packed_table_bytes(manifest, share, head_module), 0
     # Only float weights are re-packed this way (the checkpoint's bytes per dtype bound them); the tensor
     # table is read only when their holes could outgrow the shard mapping.
     holes = int(REPACK_HOLES_SHARE * min(linear, max(0, _float_bytes(manifest, share) - tables)))
-    if packed + holes > shard:
+    if trim_each:  # each hole trimmed as it appears: one matrix beside its packed copy at a time
+        largest = largest_linear_bytes(manifest, share)
+        holes = holes if largest is None else min(holes, largest)
+    elif packed + holes > shard:
         small = small_float_bytes(manifest, share)
         holes = holes if small is None else min(holes, int(REPACK_HOLES_SHARE * small))
+    packed_copies = ("one packed copy per distinct table with edge-cpu's levers: "
+                     + ("none, the tied head computes on the embedding's float table" if packed == 0 and _tied(
+                         manifest) else "the tied head's" if _tied(manifest) else
+                        "none held: the untied head's packed copy replaces its float weight")
+                     if one_table else
+                     "vLLM CPU packs the embedding and the LM head for oneDNN and keeps the originals "
+                     "(remove_weight=False): one more vocab x hidden table per module, tied or not ("
+                     + ("this model class computes logits from the embedding, one module" if not head_module else
+                        "Qwen3-0.6B's two tables: +594 MiB; Qwen3-1.7B's one tied table, packed by both modules: "
+                        "+1,187 MiB; measured") + ")")
     ranks = share.ranks_here if share is not None else 1
     per_rank = f" (each of the {ranks} ranks maps the shard it is reading)" if ranks > 1 else ""
     sliced = (f"; each rank's slice ({share.layout.label()}), summed over ranks {', '.join(map(str, share.ranks))}"
@@ -244,23 +326,25 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
             pool="host_ram",
             lifetime="session",
             evidence="E",
-            note="vLLM CPU packs the embedding and the LM head for oneDNN and keeps the originals "
-            "(remove_weight=False): one more vocab x hidden table per module, tied or not ("
-            + ("this model class computes logits from the embedding, one module" if not head_module else
-               "Qwen3-0.6B's two tables: +594 MiB; Qwen3-1.7B's one tied table, packed by both modules: "
-               "+1,187 MiB; measured") + f"){sliced}",
+            note=packed_copies + sliced,
         ),
         Reservation(
             purpose="linear_repack_transient",
-            bytes=max(0, packed + holes - shard),
+            bytes=max(0, packed + head_transient + holes - shard),
             pool="host_ram",
             lifetime="load",
             evidence="E",
             note=f"re-packing the weights for oneDNN, once they are read and the shard mapping is gone: the "
-            f"packed tables ({packed >> 20} MiB) plus heap holes, up to {REPACK_HOLES_SHARE:g} x the weights in "
-            f"tensors under glibc's {MMAP_THRESHOLD_MAX >> 20} MiB mmap threshold ({holes >> 20} MiB; 0.16-0.49 "
-            "measured, 150M-1.7B geometries), less the shard mapping this phase follows; edge-cpu's "
-            f"malloc_trim gives the holes back before the KV pool is allocated{sliced}",
+            f"packed tables ({packed >> 20} MiB)"
+            + (f", an untied head's float weight beside its packed copy ({head_transient >> 20} MiB)"
+               if head_transient else "")
+            + (f" plus one matrix beside its packed copy at a time ({holes >> 20} MiB; edge-cpu trims each "
+               "freed original as it goes)" if trim_each else
+               f" plus heap holes, up to {REPACK_HOLES_SHARE:g} x the weights in tensors under glibc's "
+               f"{MMAP_THRESHOLD_MAX >> 20} MiB mmap threshold ({holes >> 20} MiB; 0.16-0.49 measured, 150M-1.7B "
+               "geometries)")
+            + ", less the shard mapping this phase follows; edge-cpu's malloc_trim gives any holes back before "
+            f"the KV pool is allocated{sliced}",
         ),
         Reservation(
             purpose="runtime_baseline",

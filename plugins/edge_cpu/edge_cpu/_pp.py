@@ -10,7 +10,7 @@ first request, ``assert self.intermediate_tensors is not None`` in
 
 :func:`allocate_stage_buffers` (the ``vllm.general_plugins`` entry point, like
 :mod:`._heap`) wraps ``CPUModelRunner.load_model`` when vLLM's CPU model
-runner module is imported (:mod:`._on_import`): after the model is built, a
+runner module is imported (:mod:`._imports`): after the model is built, a
 stage that is not the first allocates the same buffers the dummy pass would
 (``make_empty_intermediate_tensors`` for ``max_num_tokens`` in the model's
 dtype). vLLM itself is not edited; a runner that already has them, or a
@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ._on_import import after_import
+from ._imports import patch_on_import
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,6 @@ def wrap_runner(module: Any, is_first_stage: Callable[[], bool] | None = None) -
 def allocate_stage_buffers() -> None:
     """Arrange for vLLM CPU's model runner to allocate a later stage's buffers (the general plugin)."""
     try:
-        after_import(RUNNER_MODULE, wrap_runner)
+        patch_on_import(RUNNER_MODULE, wrap_runner)
     except Exception as exc:  # noqa: BLE001 - a changed vLLM must never stop the engine from starting
         log.debug("edge-cpu: pipeline stage buffers not arranged: %s", exc)

@@ -15,6 +15,16 @@ from edge_cpu import _gates, _memory
 GIB = 1 << 30
 
 
+@pytest.fixture(autouse=True)
+def vllms_own_packing(monkeypatch):
+    """The memory terms here are vLLM CPU's packing as it is: edge-cpu's packing levers off (their terms are
+    tests/test_packing_budget.py's)."""
+    from edge_cpu import _packing
+
+    for name in _packing.levers():
+        monkeypatch.setenv(name, "0")
+
+
 def host(**changes):
     base = dict(system="linux", mem_total_bytes=32 * GIB, mem_available_bytes=28 * GIB, cgroup_limit_bytes=None,
                 cgroup_usage_bytes=None, logical_cores=8, physical_cores=4, cpu_model="AMD Ryzen 7",

@@ -1,0 +1,202 @@
+"""edge-cpu's packing levers: each vocab table packed once, holes trimmed while re-packing (edge_cpu/_packing.py)."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import sys
+import textwrap
+import types
+
+import pytest
+
+from edge_core.vllm_source import SourceTree, installed_vllm
+from edge_cpu import _imports, _packing
+
+
+class Embedding:
+    def __init__(self, weight: object) -> None:
+        self.weight = weight
+
+
+class Head(Embedding):
+    pass
+
+
+def fake_dispatch_module(calls: list[tuple]) -> types.ModuleType:
+    module = types.ModuleType("fake_layers_utils")
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        calls.append(("pack", layer.name, remove_weight))
+
+        def cpu_linear(x, weight, bias, handler=None):
+            return ("packed product", layer.name)
+
+        layer.cpu_linear = cpu_linear
+
+    module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    return module
+
+
+def tables(tied: bool) -> tuple[Embedding, Head]:
+    embed = Embedding(object())
+    head = Head(embed.weight if tied else object())
+    embed.name, head.name = "embed_tokens", "lm_head"
+    return embed, head
+
+
+@pytest.fixture(autouse=True)
+def fresh_counts(monkeypatch):
+    monkeypatch.setattr(_packing, "COUNTS", dict.fromkeys(_packing.COUNTS, 0))
+
+
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("off", False), ("false", False)])
+def test_a_lever_is_on_unless_its_variable_says_0(value, on):
+    environ = {} if value is None else {_packing.ONE_TABLE_ENV: value}
+    assert _packing.enabled(_packing.ONE_TABLE_ENV, environ) is on
+
+
+def test_a_head_holding_the_embeddings_weight_is_tied():
+    embed, head = tables(tied=True)
+    other = types.SimpleNamespace(weight=object())
+    assert _packing.mark_tables([embed, other, head], Embedding, Head) == {"gather": 1, "tied_head": 1,
+                                                                           "untied_head": 0}
+    assert (getattr(embed, _packing.ROLE), getattr(head, _packing.ROLE)) == ("gather", "tied_head")
+    assert not hasattr(other, _packing.ROLE)
+
+
+def test_a_head_with_its_own_weight_is_untied():
+    embed, head = tables(tied=False)
+    _packing.mark_tables([embed, head], Embedding, Head)
+    assert getattr(head, _packing.ROLE) == "untied_head"
+
+
+def dispatched(tied: bool, **levers) -> tuple[list[tuple], list[int], Embedding, Head]:
+    calls: list[tuple] = []
+    trims: list[int] = []
+    module = fake_dispatch_module(calls)
+    assert _packing.wrap_dispatch(module, trimmer=lambda: trims.append(1) or True, **levers)
+    embed, head = tables(tied)
+    if levers.get("one_table"):
+        _packing.mark_tables([embed, head], Embedding, Head)
+    module.dispatch_cpu_unquantized_gemm(embed, remove_weight=False)
+    module.dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    return calls, trims, embed, head
+
+
+def test_the_embedding_is_not_packed_until_a_product_is_asked_of_it():
+    calls, _, embed, _ = dispatched(tied=True, one_table=True, repack_trim=False)
+    assert ("pack", "embed_tokens", False) not in calls and _packing.COUNTS["tables_deferred"] == 1
+    # a class that computes logits from the embedding (Gemma 2's) gets vLLM's packed copy on first use
+    assert embed.cpu_linear("x", embed.weight, None) == ("packed product", "embed_tokens")
+    assert ("pack", "embed_tokens", False) in calls and _packing.COUNTS["tables_packed_on_use"] == 1
+    assert embed.cpu_linear("x", embed.weight, None) == ("packed product", "embed_tokens")
+    assert calls.count(("pack", "embed_tokens", False)) == 1
+
+
+def test_an_untied_head_drops_its_float_weight_once_packed():
+    calls, _, _, _ = dispatched(tied=False, one_table=True, repack_trim=False)
+    assert calls == [("pack", "lm_head", True)]
+
+
+def test_a_tied_head_keeps_the_float_table_the_embedding_gathers_from():
+    calls, _, _, head = dispatched(tied=True, one_table=True, repack_trim=False)
+    assert calls == [("pack", "lm_head", False)]
+
+
+def test_a_shared_table_head_computes_on_the_float_table():
+    torch = pytest.importorskip("torch")
+    calls, _, _, head = dispatched(tied=True, one_table=True, repack_trim=False, shared_table=True)
+    assert calls == [] and head.cpu_linear is torch.nn.functional.linear
+    assert _packing.COUNTS["heads_unpacked"] == 1
+
+
+def test_with_one_table_off_vllm_packs_both_as_it_does():
+    calls, trims, _, _ = dispatched(tied=True, one_table=False, repack_trim=False, shared_table=True)
+    assert calls == [("pack", "embed_tokens", False), ("pack", "lm_head", False)] and trims == []
+
+
+def test_the_heap_is_trimmed_after_every_repack_only_with_the_trim_on():
+    _, trims, _, _ = dispatched(tied=False, one_table=False, repack_trim=True)
+    assert trims == [1, 1] and _packing.COUNTS["repack_trims"] == 2
+
+
+def test_wrapping_twice_wraps_once():
+    calls: list[tuple] = []
+    module = fake_dispatch_module(calls)
+    trims: list[int] = []
+    for _ in range(2):
+        assert _packing.wrap_dispatch(module, one_table=False, repack_trim=True, trimmer=lambda: trims.append(1))
+    layer = types.SimpleNamespace(name="q_proj")
+    module.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert calls == [("pack", "q_proj", True)] and trims == [1]
+
+
+def test_the_loader_marks_the_tables_before_vllm_processes_them(monkeypatch):
+    seen: list[str | None] = []
+    vocab = types.ModuleType(_packing.TABLES_MODULE)
+    vocab.VocabParallelEmbedding, vocab.ParallelLMHead = Embedding, Head
+    monkeypatch.setitem(sys.modules, _packing.TABLES_MODULE, vocab)
+    loader = types.ModuleType("fake_base_loader")
+    embed, head = tables(tied=False)
+    loader.process_weights_after_loading = lambda model, config, device: seen.append(
+        getattr(head, _packing.ROLE, None))
+    model = types.SimpleNamespace(modules=lambda: [embed, head])
+    assert _packing.wrap_loader(loader)
+    loader.process_weights_after_loading(model, "config", "cpu")
+    assert seen == ["untied_head"]
+
+
+def test_install_patches_nothing_with_every_lever_off(monkeypatch):
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    for name in (_packing.DISPATCH_MODULE, _packing.LOADER_MODULE):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    for name in _packing.levers():
+        monkeypatch.setenv(name, "0")
+    _packing.install()
+    assert not [f for f in sys.meta_path if isinstance(f, _imports.AfterImport)]
+    for name in _packing.levers():
+        monkeypatch.delenv(name)
+    _packing.install()
+    _packing.install()
+    patched = sorted(f.module for f in sys.meta_path if isinstance(f, _imports.AfterImport))
+    assert patched == sorted([_packing.DISPATCH_MODULE, _packing.LOADER_MODULE])
+
+
+def test_the_patch_runs_once_the_module_has_been_imported(tmp_path, monkeypatch):
+    name = "edge_test_packing_target"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+        def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+            return "vLLM's"
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    patched: list[str] = []
+    _imports.patch_on_import(name, lambda module: patched.append(module.__name__) or True)
+    module = __import__(name)
+    assert patched == [name] and module.dispatch_cpu_unquantized_gemm(None, True) == "vLLM's"
+    sys.modules.pop(name, None)
+
+
+def test_vllm_loads_it_as_a_general_plugin():
+    points = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert points.get("edge_cpu_packing") == "edge_cpu._packing:install"
+
+
+def test_the_installed_vllm_packs_where_the_levers_look():
+    _, _, root = installed_vllm()
+    if root is None:
+        pytest.skip("no vLLM installed")
+    tree = SourceTree(root)
+    utils = (root / "model_executor/layers/utils.py").read_text()
+    assert f"def {_packing.DISPATCH}(" in utils
+    # the closures vLLM installs over a packed copy, which probe() recognises
+    assert "ops.onednn_mm(handler, x, bias)" in utils and "packed_weight,\n" in utils
+    # called by name at call time, so the wrapped module attribute is what runs
+    embedding = (root / "model_executor/layers/vocab_parallel_embedding.py").read_text()
+    assert f"from vllm.model_executor.layers.utils import {_packing.DISPATCH}" in embedding
+    assert f"{_packing.DISPATCH}(layer, remove_weight=False)" in embedding
+    base_loader = (root / "model_executor/model_loader/base_loader.py").read_text()
+    assert f"    {_packing.PROCESS},\n" in base_loader or f"import {_packing.PROCESS}" in base_loader
+    assert f"{_packing.PROCESS}(model, model_config, target_device)" in base_loader
+    assert tree.module("model_executor/layers/vocab_parallel_embedding.py") is not None

@@ -1,0 +1,120 @@
+"""The packing levers as they act in a real vLLM CPU worker, read from inside it (edge_cpu/_packing.py's probe).
+
+One engine per configuration, each in a child process that starts ``vllm.LLM``
+on a tiny header-only checkpoint (``load_format="dummy"``: vLLM's seeded random
+weights), runs 8 greedy tokens, asks the worker for :func:`edge_cpu._packing.probe`
+through ``collective_rpc`` and prints it: a tied Llama with every lever on, the
+same with every switch at 0 (vLLM as it is), and an untied Llama with the
+levers on. The tables are 8,192 x 256 bf16 (4 MiB: packed by oneDNN).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from factories import llama_like_tensors, tiny_config, write_checkpoint
+
+#: The bundled demo's tokenizer, which the checkpoints here borrow.
+DEMO = Path(__file__).resolve().parents[3] / "edge_core" / "demo" / "tiny-llama"
+NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
+]
+
+CHILD = """
+import json, os, sys
+from edge_core.runtime.env import apply_runtime_env
+apply_runtime_env()
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of a function: this test's probe
+from vllm import LLM, SamplingParams
+from edge_cpu._packing import probe
+llm = LLM(model=sys.argv[1], load_format="dummy", max_model_len=256, max_num_seqs=1, max_num_batched_tokens=256,
+          enforce_eager=True, kv_cache_memory_bytes=8 << 20, dtype="bfloat16", seed=0)
+out = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False),
+                   use_tqdm=False)
+found = llm.collective_rpc(probe)[0]
+found["token_ids"] = list(out[0].outputs[0].token_ids)
+print("PROBE " + json.dumps(found), flush=True)
+llm.llm_engine.engine_core.shutdown()
+"""
+OFF = {"EDGE_CPU_ONE_TABLE": "0", "EDGE_CPU_SHARED_TABLE": "0", "EDGE_CPU_REPACK_TRIM": "0"}
+
+
+def engine_probe(tmp_path_factory, tied: bool, env: dict[str, str]) -> dict:
+    config = tiny_config(vocab_size=8192, tie_word_embeddings=tied, num_hidden_layers=2)
+    model = write_checkpoint(tmp_path_factory.mktemp("tied" if tied else "untied"), config,
+                             llama_like_tensors(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEMO / name, model / name)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("EDGE_CPU_")} | env
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(model)], capture_output=True, text=True, timeout=600,
+                          env=environ, stdin=subprocess.DEVNULL)
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("PROBE ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
+    return json.loads(line[6:])
+
+
+@pytest.fixture(scope="module")
+def tied_on(tmp_path_factory):
+    return engine_probe(tmp_path_factory, tied=True, env={})
+
+
+@pytest.fixture(scope="module")
+def tied_off(tmp_path_factory):
+    return engine_probe(tmp_path_factory, tied=True, env=OFF)
+
+
+@pytest.fixture(scope="module")
+def untied_on(tmp_path_factory):
+    return engine_probe(tmp_path_factory, tied=False, env={})
+
+
+def by_class(found: dict) -> dict[str, dict]:
+    return {table["class"]: table for table in found["tables"]}
+
+
+def test_levers_on_the_tied_table_is_held_once_unpacked(tied_on):
+    tables = by_class(tied_on)
+    embed, head = tables["VocabParallelEmbedding"], tables["ParallelLMHead"]
+    assert embed["weight_ptr"] == head["weight_ptr"]  # tied: one float table
+    assert (embed["role"], head["role"]) == ("gather", "tied_head")
+    assert not embed["packed"] and not head["packed"]
+    assert tied_on["counts"]["tables_deferred"] == 1 and tied_on["counts"]["heads_unpacked"] == 1
+    assert tied_on["counts"]["tables_packed_on_use"] == 0  # Llama's logits come from the head, never the embedding
+
+
+def test_levers_on_the_heap_is_trimmed_after_every_repack(tied_on):
+    # 2 layers x (qkv, o, gate_up, down) packed, plus the two tables handed to vLLM's dispatch
+    assert tied_on["linear_packed"] == 8
+    assert tied_on["counts"]["repack_trims"] == 8 + 2
+
+
+def test_switches_off_vllm_packs_both_modules_and_trims_nothing(tied_off):
+    tables = by_class(tied_off)
+    assert tables["VocabParallelEmbedding"]["packed"] and tables["ParallelLMHead"]["packed"]
+    assert tables["VocabParallelEmbedding"]["role"] is None  # nothing marked
+    assert tied_off["counts"] == {"repack_trims": 0, "tables_deferred": 0, "tables_packed_on_use": 0,
+                                  "heads_unpacked": 0}
+    assert not any(tied_off["levers"].values())
+
+
+def test_the_levers_do_not_change_the_tokens(tied_on, tied_off):
+    assert len(tied_on["token_ids"]) == 8 and tied_on["token_ids"] == tied_off["token_ids"]
+
+
+def test_levers_on_an_untied_head_keeps_only_its_packed_copy(untied_on):
+    tables = by_class(untied_on)
+    embed, head = tables["VocabParallelEmbedding"], tables["ParallelLMHead"]
+    assert head["role"] == "untied_head" and head["packed"] and head["weight_elements"] == 0
+    assert embed["role"] == "gather" and not embed["packed"] and embed["weight_elements"] == 8192 * 256
+    assert len(untied_on["token_ids"]) == 8
