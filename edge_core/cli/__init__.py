@@ -16,8 +16,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..documents import SCHEMA_VERSION
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeError, UsageError
-from ._common import SCHEMA_VERSION, Parser
+from ._common import Parser
 from .devices import add_device_commands
 from .models import add_models_command
 from .plan import add_plan_command
