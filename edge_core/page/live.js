@@ -1,7 +1,7 @@
 // edge serve's page, live part: polls /edge/memory and vLLM's /metrics, draws measured vs predicted.
 (function () {
   "use strict";
-  var POLL_MS = 2000, WINDOW_S = 300, W = 640, H = 260, L = 64, R = 10, T = 12, B = 26;
+  var POLL_MS = 2000, WINDOW_S = 300, MIN_SPAN_S = 60, H = 260, L = 64, R = 10, T = 12, B = 26;
   var section = document.getElementById("live");
   var plan = JSON.parse(section.getAttribute("data-plan"));
   var key = new URLSearchParams(location.search).get("key");
@@ -36,25 +36,31 @@
 
   function draw(now) {
     while (svg.firstChild) svg.removeChild(svg.firstChild);
+    var W = Math.max(svg.clientWidth || 640, 240);  // drawn in CSS pixels: text stays 11 px on any window
+    svg.setAttribute("viewBox", "0 0 " + W + " " + H);
+    // The last minute to the last five: as much time as there are readings.
+    var span = Math.min(WINDOW_S, Math.max(MIN_SPAN_S, points.length ? now - points[0].t : 0));
+    var step = span > 150 ? 60 : span > 90 ? 30 : 15;
     var top = Math.max(plan.admission || 0, plan.predicted || 0);
     points.forEach(function (p) { top = Math.max(top, p.peak || 0, p.now || 0); });
     top = top * 1.08 || 1;
-    var x = function (t) { return L + (W - L - R) * (1 - (now - t) / WINDOW_S); };
-    var y = function (b) { return T + (H - T - B) * (1 - b / top); };
+    var x = function (t) { return L + (W - L - R) * (1 - (now - t) / span); };
+    var y = function (b) { return T + (H - T - B) * (1 - Math.max(b, 0) / top); };
     for (var i = 0; i <= 4; i++) {
       var b = top * i / 4;
       el("line", {"class": "grid", x1: L, x2: W - R, y1: y(b), y2: y(b)});
       el("text", {x: L - 4, y: y(b) + 4, "text-anchor": "end"}, (b / 1048576).toLocaleString("en-US", {maximumFractionDigits: 0}) + " MiB");
     }
-    for (var m = 0; m <= WINDOW_S / 60; m++) {
-      el("text", {x: x(now - m * 60), y: H - 8, "text-anchor": "middle"}, m ? "\u2212" + m + " min" : "now");
+    for (var ago = 0; ago <= span; ago += step) {
+      var label = ago === 0 ? "now" : "\u2212" + (ago % 60 ? ago + " s" : ago / 60 + " min");
+      el("text", {x: x(now - ago), y: H - 8, "text-anchor": ago === 0 ? "end" : "middle"}, label);
     }
     if (plan.admission) el("line", {"class": "admit", x1: L, x2: W - R, y1: y(plan.admission), y2: y(plan.admission)});
     if (plan.predicted) {
       el("line", {"class": "pred", x1: L, x2: W - R, y1: y(plan.predicted), y2: y(plan.predicted)});
       el("text", {x: W - R - 2, y: y(plan.predicted) - 4, "text-anchor": "end"}, "predicted " + mib(plan.predicted));
     }
-    var shown = points.filter(function (p) { return now - p.t <= WINDOW_S; });
+    var shown = points.filter(function (p) { return now - p.t <= span; });
     function line(cls, value) {
       var xy = shown.filter(function (p) { return value(p) !== null; })
         .map(function (p) { return x(p.t).toFixed(1) + "," + y(value(p)).toFixed(1); });
@@ -67,10 +73,12 @@
       line("rank", function (p) { return p.ranks && p.ranks[r] ? p.ranks[r].pss_bytes : null; });
     }
     svg.setAttribute("data-points", line("now", function (p) { return p.now; }));
-    if (firstOver && now - firstOver.t <= WINDOW_S) {
+    if (firstOver && now - firstOver.t <= span) {
       el("line", {"class": "over", x1: x(firstOver.t), x2: x(firstOver.t), y1: T, y2: H - B});
       el("circle", {"class": "overdot", cx: x(firstOver.t), cy: y(firstOver.peak), r: 4});
-      el("text", {x: x(firstOver.t) + 4, y: T + 10}, "first over prediction " + firstOver.at);
+      var right = x(firstOver.t) > W / 2;  // the label on the side with room
+      el("text", {x: x(firstOver.t) + (right ? -4 : 4), y: T + 10, "text-anchor": right ? "end" : "start"},
+         "first over prediction " + firstOver.at);
     }
   }
 
