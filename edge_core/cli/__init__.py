@@ -17,8 +17,9 @@ import traceback
 from collections.abc import Sequence
 
 from .._version import __version__
+from ..documents import SCHEMA_VERSION
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeError, UsageError
-from ._common import SCHEMA_VERSION, ArgumentError, Parser
+from ._common import ArgumentError, Parser
 from .devices import add_device_commands
 from .models import add_models_command
 from .plan import add_plan_command

@@ -13,12 +13,9 @@ import sys
 from typing import Any
 
 from ..devices import MASK_ENV, parse_mask
+from ..documents import enveloped
 from ..errors import UsageError
 from ..registry import HEALTHY, SKIPPED, Registry
-
-#: Bumped when a JSON document changes incompatibly; each document carries it.
-#: 2: the plan's admission total is ``admission_bytes`` (was ``peak_bytes``).
-SCHEMA_VERSION = 2
 
 #: Set to 1 to turn any plugin problem into a non-zero exit (same as --strict).
 STRICT_ENV = "EDGE_STRICT"
@@ -101,7 +98,7 @@ def write_document(document: dict[str, Any], kind: str, target: str | None = "-"
     """Write ``document`` as ``edge.<kind>`` JSON to stdout (``-``) or the file ``target``; None writes nothing."""
     if target in (None, ""):
         return
-    payload = {"schema": f"edge.{kind}", "schema_version": SCHEMA_VERSION, **document}
+    payload = enveloped(kind, document)
     if target == "-":
         json.dump(payload, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")

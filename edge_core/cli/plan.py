@@ -95,6 +95,8 @@ def add_plan_command(sub: Any) -> None:
     common_options(plan)
     mask_option(plan)
     planning_options(plan)
+    plan.add_argument("--html", metavar="FILE",
+                      help="also write the plan as a self-contained HTML page (every term against capacity) to FILE")
     plan.set_defaults(handler=cmd_plan)
 
 
@@ -403,12 +405,25 @@ def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
     print(f"  decided in {elapsed_s * 1000:.0f} ms, nothing loaded")
 
 
+def write_page(document: dict[str, Any], target: str) -> None:
+    """The plan as the static page (edge_core.page, the same drawing as ``edge serve``'s /edge/) in ``target``."""
+    from ..page import plan_page
+
+    try:
+        Path(target).write_text(plan_page(document), encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write the page to {target}: {exc.strerror}; pick another --html FILE") from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     plan, _ = plan_from_args(args)
     elapsed = time.perf_counter() - started
+    document = {**plan.to_dict(), "decision_time_s": round(elapsed, 4)}
+    if args.html:
+        write_page(document, args.html)
     if args.json:
-        write_document({**plan.to_dict(), "decision_time_s": round(elapsed, 4)}, "plan")
+        write_document(document, "plan")
     else:
         print_plan(plan, elapsed, explain=args.explain)
     return EXIT_OK if plan.admitted else EXIT_REFUSED

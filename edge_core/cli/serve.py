@@ -32,9 +32,10 @@ def add_serve_command(sub: Any) -> None:
         "serve", help="plan, then serve the model through vLLM's OpenAI-compatible server",
         description=("Plan first (a refusal exits 2 before any port is opened or anything loads), check the "
                      "address, then start vLLM's own OpenAI-compatible server with the plan's engine arguments. "
-                     "Besides vLLM's /v1 endpoints: /edge/plan (the plan), /edge/memory and /edge/metrics "
-                     "(predicted vs measured memory). SIGTERM drains and exits 0; Ctrl-C drains and exits 130; "
-                     "a second Ctrl-C forces the stop."),
+                     "Besides vLLM's /v1 endpoints: /edge/ (a page: the plan against capacity and the live "
+                     "memory), /edge/plan (the plan), /edge/memory and /edge/metrics (predicted vs measured "
+                     "memory). SIGTERM drains and exits 0; Ctrl-C drains and exits 130; a second Ctrl-C forces "
+                     "the stop."),
     )
     serve.add_argument("--json", action="store_true", help="print the lifetime record as JSON when the server stops")
     plugin_options(serve)
@@ -47,7 +48,8 @@ def add_serve_command(sub: Any) -> None:
     serve.add_argument("--served-model-name", metavar="NAME",
                        help="the model name clients ask for (default: the model directory's name)")
     serve.add_argument("--api-key", metavar="KEY", default=os.environ.get("EDGE_API_KEY"),
-                       help="require this bearer key on /v1 and /edge (passed to vLLM's server; env EDGE_API_KEY)")
+                       help="require this bearer key on /v1 and /edge (passed to vLLM's server; env EDGE_API_KEY); "
+                            "a browser gives it to /edge/ as ?key=KEY")
     serve.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
                        help=f"seconds in-flight requests may finish after a stop signal (default "
                             f"{DEFAULT_DRAIN_TIMEOUT_S:g})")

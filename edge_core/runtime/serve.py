@@ -12,9 +12,10 @@ implements ``start_server``:
    process-tree sampler starts, exactly as for ``edge run``
    (:class:`~edge_core.runtime.session.StageSession`'s order);
 3. the backend's server runs in this thread until SIGTERM or SIGINT, with
-   edge's endpoints beside the runtime's: ``/edge/plan`` (the plan document),
-   ``/edge/memory`` (predicted vs measured, JSON) and ``/edge/metrics``
-   (the same as Prometheus gauges);
+   edge's endpoints beside the runtime's: ``/edge/`` (a page: the plan drawn
+   against capacity, the live memory against the prediction), ``/edge/plan``
+   (the plan document), ``/edge/memory`` (predicted vs measured, JSON) and
+   ``/edge/metrics`` (the same as Prometheus gauges);
 4. a watcher compares the sampled peak with the prediction every period: the
    first time the measurement exceeds it, it says so loudly, once, and counts
    it (``edge_memory_over_prediction_total``) — the plan was wrong;
@@ -32,8 +33,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..documents import enveloped
 from ..errors import StageError, UsageError
 from ..host_ledger import set_state
+from ..page import PAGE_PATH, live_page
 from ..serving import ServerOptions
 from .env import versions
 from .logs import EngineLog
@@ -161,7 +164,7 @@ def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_m
                engine_log: EngineLog | None = None, plan_document: dict[str, Any] | None = None) -> dict[str, Any]:
     """Serve an admitted ``plan`` until SIGTERM/SIGINT; return the lifetime record.
 
-    ``plan_document`` is what ``/edge/plan`` answers (default: ``plan.to_dict()``).
+    ``plan_document`` is what ``/edge/plan`` answers, as the ``edge.plan`` document (default: ``plan.to_dict()``).
     Raises :class:`UsageError` for an address that cannot be bound and
     :class:`StageError` when the backend cannot serve or its server fails.
     """
@@ -191,9 +194,11 @@ def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_m
                                      device_source=counter.source if counter is not None else "none")
         sampler.baseline()
         sampler.start()
-        headline = "tree_pss" if device.memory_pool == "host_ram" else "device"
+        # A private pool is watched on the backend's device counter; without one, on the process tree.
+        headline = "device" if device.memory_pool != "host_ram" and counter is not None else "tree_pss"
         watch = MemoryWatch(plan, sampler, said, headline).start()
-        document = plan_document if plan_document is not None else plan.to_dict()
+        document = enveloped("plan", plan_document if plan_document is not None else plan.to_dict())
+        page = live_page(document).encode()
         ready: dict[str, Any] = {}
         loading = said.step(f"loading {manifest.architecture or manifest.model_type} on {device.device_id} for "
                             f"{served_model_name}")
@@ -205,14 +210,17 @@ def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_m
             loading.__exit__(None, None, None)
             said.message(f"serving {served_model_name} at {url}/v1 (plan: {device.device_id}, "
                          f"{plan.session.max_num_seqs} sequences x {plan.session.max_model_len} tokens, predicted "
-                         f"peak {watch.predicted_bytes / 2**20:,.0f} MiB); plan at {url}/edge/plan; Ctrl-C stops")
+                         f"peak {watch.predicted_bytes / 2**20:,.0f} MiB); page at {url}{PAGE_PATH}"
+                         f"{'?key=KEY' if api_key else ''}; plan at {url}/edge/plan; Ctrl-C stops")
 
         options = ServerOptions(
             host=host, port=port, served_model_name=served_model_name, sock=sock, api_key=api_key,
             drain_timeout_s=drain_timeout_s, on_ready=on_ready,
             routes={
+                PAGE_PATH: lambda: ("text/html; charset=utf-8", page),
                 "/edge/plan": lambda: ("application/json", json.dumps(document, default=str).encode()),
-                "/edge/memory": lambda: ("application/json", json.dumps(watch.snapshot()).encode()),
+                "/edge/memory": lambda: ("application/json",
+                                         json.dumps(enveloped("memory", watch.snapshot())).encode()),
                 "/edge/metrics": lambda: ("text/plain; version=0.0.4", watch.prometheus()),
             })
         started = time.monotonic()

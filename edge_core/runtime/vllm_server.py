@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hmac
 import os
 import signal
 import threading
@@ -219,11 +220,11 @@ class VllmServer:
 
         def route(make: Any) -> Any:
             async def endpoint(request: Any) -> Any:
-                if key and request.headers.get("authorization") != f"Bearer {key}":
+                if key and not authorized(key, request.headers.get("authorization"), request.query_params.get("key")):
                     return Response(status_code=401, content=b'{"error": "missing or wrong API key"}',
                                     media_type="application/json")
                 media_type, body = make()
-                return Response(content=body, media_type=media_type)
+                return Response(content=body, media_type=media_type, headers={"cache-control": "no-store"})
 
             # FastAPI reads the annotations to inject the request; string annotations would not resolve here.
             endpoint.__annotations__ = {"request": Request, "return": Response}
@@ -231,7 +232,6 @@ class VllmServer:
 
         for path, make in self.options.routes.items():
             app.add_api_route(path, route(make), methods=["GET"], include_in_schema=False)
-
 
     async def _announce_ready(self, app: Any) -> None:
         """Call ``on_ready`` once ``/health`` answers 200 over the socket clients will use."""
@@ -251,6 +251,12 @@ class VllmServer:
                     self.options.on_ready(url)
                 return
             await asyncio.sleep(0.2)
+
+
+def authorized(key: str, authorization: str | None, query_key: str | None) -> bool:
+    """The key as ``Authorization: Bearer KEY``, or as ``?key=KEY`` (a browser opening the page sends no header)."""
+    bearer = authorization.removeprefix("Bearer ") if authorization and authorization.startswith("Bearer ") else None
+    return any(given is not None and hmac.compare_digest(given.encode(), key.encode()) for given in (bearer, query_key))
 
 
 def finished_requests() -> tuple[int, int]:

@@ -1,0 +1,211 @@
+"""``edge serve``'s page (/edge/) in a real headless Chromium, against one real server on the demo.
+
+One engine for the module (vLLM CPU, a free loopback port, ``--api-key``).
+The browser is Debian's ``chromium`` driven over the DevTools pipe
+(tests/browser.py); where it is not installed the tests skip and say so.
+Screenshots are written under pytest's tmp path and, when
+``EDGE_TEST_ARTIFACTS`` names a directory, copied there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from browser import Browser, find_chromium
+
+from edge_core.artifact import DEMO_MODEL
+
+NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
+CHROMIUM = find_chromium()
+pytestmark = [
+    pytest.mark.engine, pytest.mark.slow, pytest.mark.vllm,
+    pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
+    pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: Debian's chromium package is not installed "
+                                                "(apt-get install chromium; .ci/run installs it where it can)"),
+]
+#: Seconds a demo server may take to answer /health on 2 cores (measured 40-50 s).
+READY_TIMEOUT_S = 240
+KEY = "page-test-key"
+MIB = 1 << 20
+#: The page polls every 2 s (live.js POLL_MS); a chart with this many points has seen several polls.
+MIN_POINTS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except OSError:  # not listening yet
+        return 0, b""
+
+
+def complete(url: str, prompt: str, tokens: int) -> None:
+    body = json.dumps({"model": DEMO_MODEL.name, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={
+        "content-type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        answer.read()
+
+
+class Traffic:
+    """Completions from two threads until stopped, so vLLM's metrics and the memory move."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.stop = threading.Event()
+        self.done = 0
+        self.threads = [threading.Thread(target=self._loop, args=(n,), daemon=True) for n in range(2)]
+
+    def _loop(self, n: int) -> None:
+        while not self.stop.is_set():
+            complete(self.url, f"Request {n} number {self.done}", 48)
+            self.done += 1
+
+    def __enter__(self) -> Traffic:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("page-serve")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edge_core", "serve", "--port", str(port), "--api-key", KEY,
+         "--engine-log", str(tmp / "engine.log"), "--drain-timeout", "3"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp / "serve.err", "w"), stdin=subprocess.DEVNULL,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while get(f"{url}/health", None)[0] != 200:
+            assert proc.poll() is None, (tmp / "serve.err").read_text()[-3000:]
+            assert time.monotonic() < deadline, "edge serve did not become ready"
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    assert CHROMIUM is not None
+    chromium = Browser(CHROMIUM, tmp_path_factory.mktemp("chromium"))
+    try:
+        yield chromium
+    finally:
+        chromium.close()
+
+
+def keep(path: Path) -> None:
+    """Copy a screenshot to ``EDGE_TEST_ARTIFACTS`` (CI keeps that directory) when it is set."""
+    where = os.environ.get("EDGE_TEST_ARTIFACTS")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(where) / path.name)
+
+
+def shown_mib(text: str) -> float:
+    match = re.fullmatch(r"([\d,]+\.\d) MiB", text)
+    assert match, f"not a size in MiB: {text!r}"
+    return float(match.group(1).replace(",", ""))
+
+
+def figure(browser: Browser, element: str) -> str:
+    return browser.evaluate(f"document.getElementById({json.dumps(element)}).textContent")
+
+
+def test_the_page_without_the_key_is_401_and_with_it_a_few_tens_of_kb(server):
+    assert get(f"{server}/edge/", None)[0] == 401
+    assert get(f"{server}/edge/?key=wrong", None)[0] == 401
+    status, body = get(f"{server}/edge/?key={KEY}", None)
+    assert status == 200 and body.startswith(b"<!doctype html>")
+    assert 5_000 < len(body) < 40_000
+
+
+def test_the_live_page_draws_points_shows_the_servers_figures_and_stays_on_loopback(server, browser, tmp_path):
+    browser.navigate(f"{server}/edge/?key={KEY}")
+    with Traffic(server) as traffic:
+        deadline = time.monotonic() + 60
+        points = tps = 0
+        while time.monotonic() < deadline:
+            points = int(browser.evaluate("document.getElementById('chart').getAttribute('data-points') || 0"))
+            shown = figure(browser, "m-tps")
+            tps = float(shown.split()[0]) if shown.endswith("tok/s") else 0.0
+            if points >= MIN_POINTS and tps > 0:
+                break
+            time.sleep(0.5)
+        running = figure(browser, "m-running")
+    assert traffic.done > 0
+    assert points >= MIN_POINTS, f"the chart has {points} points after a minute of traffic"
+    assert tps > 0, "the page shows no generated tokens/s from vLLM's metrics while requests ran"
+    assert running.isdigit()  # vLLM's vllm:num_requests_running, read by the page
+    # Traffic over: the peak stops moving; what the page shows is what /edge/memory says, within its rounding.
+    time.sleep(5)
+    before = json.loads(get(f"{server}/edge/memory")[1])
+    time.sleep(2.5)  # at least one more poll of the page
+    page = {key: figure(browser, key) for key in ("m-predicted", "m-peak", "m-current", "m-exceeded")}
+    after = json.loads(get(f"{server}/edge/memory")[1])
+    assert after["schema"] == "edge.memory"
+    assert shown_mib(page["m-predicted"]) == round(after["predicted_peak_bytes"] / MIB, 1)
+    low, high = (sorted((before["measured_peak_bytes"], after["measured_peak_bytes"])))
+    assert low / MIB - 0.05 <= shown_mib(page["m-peak"]) <= high / MIB + 0.05
+    # The current reading moves between two reads of an idle server by a few pages; it must be one of them.
+    low, high = sorted((before["measured_current_bytes"], after["measured_current_bytes"]))
+    assert low / MIB - 0.5 <= shown_mib(page["m-current"]) <= high / MIB + 0.5
+    assert int(page["m-exceeded"]) == after["exceeded_count"]
+    # Nothing left 127.0.0.1: every request the page made went to this server.
+    urls = browser.requested_urls()
+    assert urls and all(u.startswith(f"{server}/") for u in urls), urls
+    assert {"/edge/memory", "/metrics"} <= {u[len(server):].split("?")[0] for u in urls}
+    assert not browser.console_errors()
+    keep(browser.screenshot(tmp_path / "edge-page.png"))
+    assert (tmp_path / "edge-page.png").stat().st_size > 10_000
+
+
+def test_a_narrow_window_needs_no_sideways_scroll(server, browser, tmp_path):
+    browser.resize(380, 900)
+    try:
+        browser.navigate(f"{server}/edge/?key={KEY}")
+        time.sleep(3)
+        overflow = browser.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        keep(browser.screenshot(tmp_path / "edge-page-narrow.png"))
+    finally:
+        browser.resize(1100, 1400)
+    assert overflow <= 0, f"the page is {overflow} px wider than a 380 px window"
