@@ -147,7 +147,9 @@ def test_the_loader_marks_the_tables_before_vllm_processes_them(monkeypatch):
 
 
 def test_install_patches_nothing_with_every_lever_off(monkeypatch):
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    # Only the packing's own finders: edge-cpu's other vLLM plugins (the heap trim, the PP buffers) may have
+    # left theirs in this process, and they are not this test's business.
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, _imports.AfterImport)])
     for name in (_packing.DISPATCH_MODULE, _packing.LOADER_MODULE):
         monkeypatch.delitem(sys.modules, name, raising=False)
     for name in _packing.levers():
