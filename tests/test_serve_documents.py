@@ -21,6 +21,7 @@ from edge_core.artifact import DEMO_MODEL
 from edge_core.documents import SCHEMA_VERSION
 from edge_core.page import PAGE_PATH, live_page
 
+MIB = 1 << 20
 PATHS = ("/edge/plan", "/edge/memory", PAGE_PATH)
 
 
@@ -183,3 +184,22 @@ def test_edge_routes_are_behind_the_api_key(key, headers, query, status):
         assert answer.status_code == status, (path, answer.text)
         if status == 401:
             assert answer.json() == {"error": "missing or wrong API key"}
+
+
+def test_each_rank_is_its_worker_told_by_vllms_process_title():
+    from edge_core.runtime.serve import rank_memory
+
+    ranks = [{"rank": n, "tp_rank": n % 2, "pp_rank": n // 2} for n in range(4)]  # TP 2 x PP 2
+    plan = types.SimpleNamespace(parallel={"ranks": ranks})
+    titles = {10: "python -m edge_core serve", 11: "VLLM::EngineCore", 12: "VLLM::Worker_PP0_TP0",
+              13: "VLLM::Worker_PP0_TP1", 14: "VLLM::Worker_PP1_TP0", 15: "VLLM::Worker_PP1_TP1_EP1", 16: None}
+    processes = [(pid, pid * MIB) for pid in titles]
+    got = rank_memory(plan, processes, title_of=titles.get)
+    assert [(r["rank"], r["pid"], r["pss_bytes"]) for r in got] == [(0, 12, 12 * MIB), (1, 13, 13 * MIB),
+                                                                    (2, 14, 14 * MIB), (3, 15, 15 * MIB)]
+    # One device: no ranks, whatever the titles say.
+    assert rank_memory(types.SimpleNamespace(parallel=None), processes, title_of=titles.get) == []
+    tp_only = types.SimpleNamespace(parallel={"ranks": ranks[:2]})
+    assert [r["pid"] for r in rank_memory(tp_only, [(7, 1), (8, 2)], title_of={7: "VLLM::Worker_TP1",
+                                                                             8: "VLLM::Worker_TP0"}.get)] == [8, 7]
+

@@ -70,7 +70,9 @@
     line("peakline", function (p) { return p.peak; });
     var ranks = shown.length && shown[shown.length - 1].ranks ? shown[shown.length - 1].ranks.length : 0;
     for (var r = 0; r < ranks; r++) {
+      var at = shown[shown.length - 1].ranks[r];
       line("rank", function (p) { return p.ranks && p.ranks[r] ? p.ranks[r].pss_bytes : null; });
+      el("text", {x: W - R - 2, y: y(at.pss_bytes) + 12, "text-anchor": "end"}, "rank " + at.rank);
     }
     svg.setAttribute("data-points", line("now", function (p) { return p.now; }));
     if (firstOver && now - firstOver.t <= span) {
@@ -94,6 +96,9 @@
     set("m-ratio", doc.ratio === null ? "\u2013" : doc.ratio.toFixed(3) + "\u00d7");
     set("m-exceeded", String(doc.exceeded_count));
     set("counter", doc.counter + ", " + doc.samples + " samples");
+    set("m-ranks", (doc.ranks || []).map(function (r) {
+      return "rank " + r.rank + " (pid " + r.pid + "): " + mib(r.pss_bytes);
+    }).join(" \u00b7 "));
     var status = document.getElementById("status");
     if (!firstOver && doc.measured_peak_bytes > doc.predicted_peak_bytes) {
       var before = points.length === 1 && doc.exceeded_count > 1;

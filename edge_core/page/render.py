@@ -274,6 +274,8 @@ def live_section(plan: Mapping[str, Any]) -> str:
                ("m-tps", "generated tokens/s")]
     cells = "".join(f'<div><span class="k">{label}</span><span class="v" id="{key}">–</span></div>'
                     for key, label in figures)
+    ranks = (' <span class="l-rank"></span> each rank\'s worker' if (plan.get("parallel") or {}).get("ranks")
+             else "")
     return (f"<section id=\"live\" data-plan='{esc(json.dumps(data))}'>"
             '<h2>Live memory <small id="counter"></small></h2>'
             f'<div class="figures">{cells}</div>'
@@ -281,7 +283,8 @@ def live_section(plan: Mapping[str, Any]) -> str:
             'predicted peak"></svg>'
             '<p class="legend"><span class="l-now"></span> measured now <span class="l-peak"></span> measured peak '
             '<span class="l-pred"></span> predicted peak <span class="l-admit"></span> admission '
-            '<span class="l-over"></span> first over prediction</p>'
+            f'<span class="l-over"></span> first over prediction{ranks}</p>'
+            '<p id="m-ranks" class="ranks-now"></p>'
             '<p id="status" role="status">waiting for the first reading…</p></section>')
 
 

@@ -85,6 +85,8 @@ class Sample:
     pss_fallback_processes: int
     host_available_bytes: int | None
     device_bytes: int | None
+    #: (pid, PSS bytes) of each process counted in ``tree_pss_bytes`` (RSS where PSS could not be read).
+    process_pss_bytes: tuple[tuple[int, int], ...] = ()
 
     def value(self, counter: str) -> int | None:
         """The reading of ``counter`` (one of :data:`COUNTERS`), in bytes."""
@@ -259,6 +261,7 @@ class ProcessTreeSampler:
     def sample_once(self) -> Sample:
         """Read every counter now and fold the reading into the peaks."""
         rss_total = pss_total = fallback = count = 0
+        per_process: list[tuple[int, int]] = []
         for proc in self._tree():
             try:
                 rss = int(proc.memory_info().rss)
@@ -273,6 +276,7 @@ class ProcessTreeSampler:
             count += 1
             rss_total += rss
             pss_total += pss
+            per_process.append((proc.pid, pss))
         device = None
         if self.device_counter is not None:
             try:
@@ -288,6 +292,7 @@ class ProcessTreeSampler:
             pss_fallback_processes=fallback,
             host_available_bytes=read_available_bytes(self.proc_root),
             device_bytes=None if device is None else int(device),
+            process_pss_bytes=tuple(per_process),
         )
         self._record(sample)
         return sample

@@ -28,9 +28,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..documents import enveloped
@@ -127,6 +129,7 @@ class MemoryWatch:
             "exceeded_count": self.exceeded,
             "samples": report.sample_count,
             "note": report.note,
+            "ranks": rank_memory(self.plan, last.process_pss_bytes if last is not None else ()),
         }
 
     def _loop(self) -> None:
@@ -157,6 +160,43 @@ class MemoryWatch:
             f"edge_memory_over_prediction_total {self.exceeded}",
         ]
         return ("\n".join(lines) + "\n").encode()
+
+
+#: vLLM's multiprocessing executor titles each worker ``VLLM::Worker[_PP<p>][_TP<t>]`` (its
+#: ``set_process_title``); the suffixes are present only where that group has more than one rank.
+WORKER_TITLE = re.compile(r"::Worker(?:_DP\d+)?(?:_PP(?P<pp>\d+))?(?:_PCP\d+)?(?:_TP(?P<tp>\d+))?(?:_|$)")
+
+
+def rank_memory(plan: Plan, processes: Iterable[tuple[int, int]],
+                title_of: Callable[[int], str | None] | None = None) -> list[dict[str, Any]]:
+    """Each of this host's ranks of a parallel plan with its worker's PSS; [] for a one-device plan.
+
+    A worker is told by its process title (``title_of``: default ``/proc/<pid>/cmdline``), matched to
+    the plan's rank with the same TP and PP rank.
+    """
+    ranks = (plan.parallel or {}).get("ranks") or ()
+    if len(ranks) < 2:
+        return []
+    by_group = {(int(r.get("tp_rank", 0)), int(r.get("pp_rank", 0))): r for r in ranks}
+    found = []
+    for pid, pss in processes:
+        title = (title_of or process_title)(pid)
+        match = WORKER_TITLE.search(title or "")
+        if match is None:
+            continue
+        rank = by_group.get((int(match["tp"] or 0), int(match["pp"] or 0)))
+        if rank is not None:
+            found.append({"rank": rank.get("rank"), "tp_rank": rank.get("tp_rank"), "pp_rank": rank.get("pp_rank"),
+                          "pid": pid, "pss_bytes": pss})
+    return sorted(found, key=lambda r: (r["rank"] is None, r["rank"]))
+
+
+def process_title(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().split(b"\0", 1)[0].decode(errors="replace")
+    except OSError:
+        return None
 
 
 def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_model_name: str,
