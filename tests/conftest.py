@@ -46,3 +46,34 @@ def llama8b(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama8b")
     write_checkpoint(root, config, llama_like_tensors(config), shards=4)
     return root
+
+
+# ---------------------------------------------------------------- engines shared across modules
+# An engine start costs 25-45 s on two cores: tests that read different behaviour of the same engine share it.
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    """The suite's one ``edge serve`` on the demo (tests/servers.py): ``demo_server.ready()`` is a running one."""
+    from servers import SharedServer
+
+    shared = SharedServer(tmp_path_factory)
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """One ``edge run`` on the demo asking more tokens than its 128-token context holds, its logs in a private
+    tmp: (the finished process, that tmp). Read by tests/test_run.py and tests/test_newcomer.py."""
+    import subprocess
+
+    tmp = tmp_path_factory.mktemp("run")
+    proc = subprocess.run(
+        [sys.executable, "-m", "edge_core", "run", "--max-model-len", "128", "--max-tokens", "500", "--ignore-eos",
+         "--prompt", "The gateway box"],
+        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        env={**os.environ, "EDGE_PROBE_TIMEOUT_S": "5", "TMPDIR": str(tmp)})
+    return proc, tmp

@@ -268,15 +268,22 @@ def test_a_serving_session_holds_its_bytes_until_killed_and_nothing_is_left(tmp_
     import urllib.request
 
     env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
-    # Size the session from this host: one that takes ~60% of the usable RAM, so a second cannot fit beside it.
+    # The served session is the demo as `edge serve` plans it (8 sequences); the second one, only ever planned,
+    # is sized from this host to fit it alone but not beside the first: its admission leaves less free than
+    # half the first's. (A small first session keeps the engine quick to start: no pool of most of the RAM.)
+    first = _edge_json("plan", "--max-num-seqs", "8", env=env)
     probe = _edge_json("plan", "--max-num-seqs", "1", env=env)
     per_seq = probe["kv"]["bytes_vllm"]
-    seqs = max(1, int((0.7 * probe["capacity_bytes"] - probe["admission_bytes"]) // per_seq))
+    room = probe["capacity_bytes"] - first["admission_bytes"] // 2 - probe["admission_bytes"]
+    seqs = 1 + max(0, room // per_seq)
     sizing = ["--max-num-seqs", str(seqs), "--max-num-batched-tokens", str(max(seqs, 2048))]
+    alone = _edge_json("plan", *sizing, env=env)
+    assert alone["admitted"], alone["refusals"]
+    assert alone["capacity_bytes"] - alone["admission_bytes"] < first["admission_bytes"], (alone, first)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    front = subprocess.Popen([sys.executable, "-m", "edge_core", "serve", "--port", str(port), *sizing],
+    front = subprocess.Popen([sys.executable, "-m", "edge_core", "serve", "--port", str(port)],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60

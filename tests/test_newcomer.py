@@ -2,8 +2,9 @@
 behaviour, a clean end after every result.
 
 Terminal output is read from the real command's stderr and stdout (``python -m edge_core``, which is the
-``edge`` executable's :func:`~edge_core.cli.console_main`). The tests that start vLLM share one ``edge run``
-and one ``edge serve`` on the demo checkpoint.
+``edge`` executable's :func:`~edge_core.cli.console_main`). The tests that start vLLM read the suite's one
+``edge run`` on the demo (conftest's ``demo_run``); what a clean ``edge serve`` stop leaves (items 1, 7, 12) is
+checked on the suite's shared server, in tests/test_serve.py's SIGTERM test.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import socket
 import stat
 import subprocess
@@ -20,7 +20,6 @@ import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -349,16 +348,7 @@ def test_generated_text_reaches_the_terminal_without_control_characters():
     assert is_demo(str(DEMO_MODEL)) and not is_demo(str(ROOT))
 
 
-# ---------------------------------------------------------------- one real `edge run` (1, 7, 10, 13)
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    """``edge run`` on the demo with more tokens than a 128-token context holds, its logs in a private tmp."""
-    tmp = tmp_path_factory.mktemp("run")
-    proc = edge("run", "--max-model-len", "128", "--max-tokens", "500", "--ignore-eos",
-                env={"TMPDIR": str(tmp)}, timeout=600)
-    return proc, tmp
-
+# ---------------------------------------------------------------- the suite's one real `edge run` (1, 7, 10, 13)
 
 class TestRealRun:
     pytestmark = needs_engine
@@ -391,60 +381,3 @@ class TestRealRun:
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and list(folder.iterdir()) == []
 
 
-# ---------------------------------------------------------------- one real `edge serve` (1, 7, 12)
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def demo_serve(tmp_path_factory):
-    """``edge serve`` on the demo: one completion, then Ctrl-C; its default log in a private tmp."""
-    tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "edge_core", "serve", "--port", str(port), "--drain-timeout", "3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        body = json.dumps({"model": "tiny-llama", "prompt": "The gateway box", "max_tokens": 4}).encode()
-        request = urllib.request.Request(f"{url}/v1/completions", data=body,
-                                         headers={"content-type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as answer:
-            assert answer.status == 200
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.communicate()
-    return proc.returncode, out, err, tmp
-
-
-class TestRealServe:
-    pytestmark = needs_engine
-
-    def test_the_stop_summary_is_the_last_line_and_counts_in_words(self, demo_serve):
-        code, _, err, _ = demo_serve
-        assert code == 130, err[-3000:]
-        assert not LEAK_REPORT.search(err), err[-3000:]
-        last = err.rstrip().splitlines()[-1]
-        assert last.startswith("edge: stopped by SIGINT: 1 request served (0 failed)"), last
-
-    def test_a_clean_stop_leaves_no_log_in_a_private_folder(self, demo_serve):
-        _, _, err, tmp = demo_serve
-        folder = tmp / f"edge-logs-{os.getuid()}"
-        assert f"engine log: {folder}/" in err
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and list(folder.iterdir()) == []

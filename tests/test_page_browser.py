@@ -1,6 +1,7 @@
 """``edge serve``'s page (/edge/) in a real headless Chromium, against one real server on the demo.
 
-One engine for the module (vLLM CPU, a free loopback port, ``--api-key``).
+The server is the suite's shared one (conftest's ``demo_server``: vLLM CPU, a
+free loopback port, ``--api-key``).
 The browser is Debian's ``chromium`` driven over the DevTools pipe
 (tests/browser.py); where it is not installed the tests skip and say so.
 Screenshots are written under pytest's tmp path and, when
@@ -14,18 +15,13 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 from browser import Browser, find_chromium
+from servers import KEY, get, post
 
 from edge_core.artifact import DEMO_MODEL
 
@@ -37,38 +33,15 @@ pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: Debian's chromium package is not installed "
                                                 "(apt-get install chromium; .ci/run installs it where it can)"),
 ]
-#: Seconds a demo server may take to answer /health on 2 cores (measured 40-50 s).
-READY_TIMEOUT_S = 240
-KEY = "page-test-key"
 MIB = 1 << 20
 #: The page polls every 2 s (live.js POLL_MS); a chart with this many points has seen several polls.
 MIN_POINTS = 3
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            return answer.status, answer.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except OSError:  # not listening yet
-        return 0, b""
-
-
 def complete(url: str, prompt: str, tokens: int) -> None:
     body = json.dumps({"model": DEMO_MODEL.name, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
                        "ignore_eos": True}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={
-        "content-type": "application/json", "Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        answer.read()
+    assert post(f"{url}/v1/completions", body) == 200
 
 
 class Traffic:
@@ -97,30 +70,9 @@ class Traffic:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("page-serve")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edge_core", "serve", "--port", str(port), "--api-key", KEY,
-         "--engine-log", str(tmp / "engine.log"), "--drain-timeout", "3"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp / "serve.err", "w"), stdin=subprocess.DEVNULL,
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while get(f"{url}/health", None)[0] != 200:
-            assert proc.poll() is None, (tmp / "serve.err").read_text()[-3000:]
-            assert time.monotonic() < deadline, "edge serve did not become ready"
-            time.sleep(0.5)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+def server(demo_server):
+    """The suite's shared demo server (conftest.py), behind ``--api-key``: its URL."""
+    return demo_server.ready().url
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,139 @@
+"""One real ``edge serve`` process for the tests that talk to a server, and the small HTTP helpers they share.
+
+An engine start costs 25-45 s on two cores, so the tests that exercise
+different behaviour of the same server share one (``demo_server`` in
+conftest.py): the page in a browser (tests/test_page_browser.py), the OpenAI
+endpoints and edge's routes (tests/test_serve.py), and last, its SIGTERM stop.
+A test that stops the shared server leaves the next user a fresh one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+#: Seconds a demo server may take to answer /health on 2 cores (40-50 s on a busy machine).
+READY_TIMEOUT_S = 240
+#: The shared server's API key: vLLM's endpoints and edge's page both sit behind it.
+KEY = "edge-test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def get(url: str, key: str | None = KEY) -> tuple[int, bytes]:
+    """GET with the bearer key (``key=None`` sends none); (0, b"") while nothing listens."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except OSError:
+        return 0, b""
+
+
+def post(url: str, body: bytes, key: str | None = KEY) -> int:
+    headers = {"content-type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            answer.read()
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+class Server:
+    """One ``edge serve`` process on the demo, in a session of its own so a signal reaches only it.
+
+    Its engine log is the default one, in a private folder under ``tmp`` (``TMPDIR``), so a clean stop can
+    be checked to remove it.
+    """
+
+    def __init__(self, tmp: Path, *extra: str):
+        self.port = free_port()
+        self.tmp = tmp
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_core", "serve", "--port", str(self.port), "--drain-timeout", "3", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_folder(self) -> Path:
+        return self.tmp / f"edge-logs-{os.getuid()}"
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"edge serve exited {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
+            if get(f"{self.url}/health", None)[0] == 200:
+                return
+            time.sleep(0.5)
+        raise AssertionError("edge serve did not become ready")
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def tree(self) -> list[int]:
+        try:
+            return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def stop(self, signum: int) -> tuple[int, str, str]:
+        self.proc.send_signal(signum)
+        out, err = self.proc.communicate(timeout=120)
+        return self.proc.returncode, out, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            for pid in self.tree():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            self.proc.kill()
+            self.proc.communicate()
+
+
+class SharedServer:
+    """The suite's one demo server, started on first use and again only after a test stopped it."""
+
+    def __init__(self, tmp_factory) -> None:
+        self._tmp_factory = tmp_factory
+        self._server: Server | None = None
+
+    def ready(self) -> Server:
+        if self._server is None or not self._server.running():
+            self._server = Server(self._tmp_factory.mktemp("demo-serve"), "--api-key", KEY)
+            self._server.wait_ready()
+        return self._server
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.kill()
