@@ -49,7 +49,8 @@ RUN_TIMEOUT_S = 1800
 LOG_LINES = {
     "model_loading_gib": re.compile(r"Model loading took ([\d.]+) GiB"),
     "estimated_graph_gib": re.compile(r"Estimated CUDA graph memory: ([\d.]+) GiB"),
-    "graph_capture_gib": re.compile(r"Graph capturing finished in \d+ secs?, took ([\d.]+) GiB"),
+    "graph_capture_gib": re.compile(r"Graph capturing finished in \d+ secs?, took (-?[\d.]+) GiB"),
+    "graph_pool_actual_gib": re.compile(r"CUDA graph pool memory: (-?[\d.]+) GiB \(actual\)"),
     "available_kv_gib": re.compile(r"Available KV cache memory: ([\d.]+) GiB"),
     "reserved_kv_gib": re.compile(r"reserved ([\d.]+) GiB memory for KV Cache"),
 }

@@ -19,17 +19,17 @@ from typing import Any
 DEFAULT_MAX_CAPTURE = 512
 BLACKWELL_DC_MAX_CAPTURE = 1024
 
-#: What every captured graph keeps per token of its batch size: its static output buffers, in hidden-size
-#: vectors of the model dtype (vLLM replays each size into buffers of its own). Fit to the published capture
-#: logs in docs/vllm-cuda-facts.md (one vector). Estimate, class E.
-VECTORS_PER_CAPTURED_TOKEN = 1
+#: What stays in the graph pool per token of every captured size, in hidden-size vectors of the model dtype
+#: (each size's own static buffers at the compiled pieces' boundaries). Fit: 5 (docs/vllm-cuda-facts.md,
+#: "Calibration against published logs"). Estimate, class E.
+VECTORS_PER_CAPTURED_TOKEN = 5
 #: What one instantiated CUDA graph keeps per layer it covers, whatever the batch (its kernel nodes and their
 #: parameters in device memory): a PIECEWISE size is ``layers + 1`` graphs of one layer each, a FULL size one
-#: graph over every layer. Fit to the same logs: 176 KiB. Estimate, class E.
-GRAPH_BYTES_PER_LAYER = 176 << 10
+#: graph over every layer. Fit: 144 KiB (same section). Estimate, class E.
+GRAPH_BYTES_PER_LAYER = 144 << 10
 #: What a capture holds whatever it captures: the capture stream's own cuBLAS/cuBLASLt workspaces and the
-#: pool's first segments. Fit to the same logs: 64 MiB. Estimate, class E.
-CAPTURE_WORKSPACE_BYTES = 64 << 20
+#: pool's first segments. Fit: 80 MiB (same section). Estimate, class E.
+CAPTURE_WORKSPACE_BYTES = 80 << 20
 
 
 @dataclass(frozen=True)
@@ -83,21 +83,23 @@ class GraphPool:
         return self.pool_bytes + self.node_bytes
 
 
-def graph_pool_bytes(graphs: GraphSet, *, layers: int, hidden_size: int, dtype_bytes: int) -> GraphPool:
+def graph_pool_bytes(graphs: GraphSet, *, layers: int, hidden_size: int, dtype_bytes: int,
+                     workspace_bytes: int = CAPTURE_WORKSPACE_BYTES, bytes_per_layer: int = GRAPH_BYTES_PER_LAYER,
+                     vectors_per_token: int = VECTORS_PER_CAPTURED_TOKEN) -> GraphPool:
     """What ``graphs`` keep on one rank once captured (every rank of a TP/PP layout captures the same set).
 
-    pool: :data:`CAPTURE_WORKSPACE_BYTES` plus, for every captured size of
-    either kind, size x hidden x dtype x :data:`VECTORS_PER_CAPTURED_TOKEN`
-    (the hidden state is whole on every TP rank). graphs: every PIECEWISE
-    size is ``layers + 1`` graphs, every FULL size one graph over all
-    layers, :data:`GRAPH_BYTES_PER_LAYER` per layer each covers. Nothing
-    when no size is captured.
+    pool: ``workspace_bytes`` plus, for every captured size of either kind,
+    size x hidden x dtype x ``vectors_per_token`` (the hidden state is whole
+    on every TP rank). graphs: every PIECEWISE size is ``layers + 1`` graphs,
+    every FULL size one graph over all layers, ``bytes_per_layer`` per layer
+    each covers. Nothing when no size is captured. The defaults are the
+    module constants; bench/cuda_graph_calibration.py passes others to fit them.
     """
     if not graphs.piecewise and not graphs.full:
         return GraphPool(pool_bytes=0, node_bytes=0)
     tokens = sum(graphs.piecewise) + sum(graphs.full)
-    pool = CAPTURE_WORKSPACE_BYTES + tokens * hidden_size * dtype_bytes * VECTORS_PER_CAPTURED_TOKEN
-    nodes = (len(graphs.piecewise) * (layers + 1) + len(graphs.full) * layers) * GRAPH_BYTES_PER_LAYER
+    pool = workspace_bytes + tokens * hidden_size * dtype_bytes * vectors_per_token
+    nodes = (len(graphs.piecewise) * (layers + 1) + len(graphs.full) * layers) * bytes_per_layer
     return GraphPool(pool_bytes=pool, node_bytes=nodes)
 
 
