@@ -84,7 +84,8 @@ def _kv_cases() -> dict[str, Any]:
     from published_configs import PUBLISHED
     from reference_set import ENTRIES
 
-    from edge_core.artifact.config import fill_library_defaults, resolve_text_config
+    from edge_core.artifact.config import resolve_text_config
+    from edge_core.artifact.library_defaults import fill_library_defaults
     from edge_core.errors import EdgeError
     from edge_core.plan.kv import estimate_kv, kv_layout, max_model_len_for
 

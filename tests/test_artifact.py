@@ -905,7 +905,8 @@ def test_source_defaults_are_what_transformers_class_gives(model_type):
     pytest.importorskip("transformers", reason="the reference is transformers' own class")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from edge_core.artifact.config import read_library_defaults, transformers_dir
+    from edge_core.artifact.library_defaults import read_library_defaults
+    from edge_core.artifact.transformers_source import transformers_dir
 
     cls = CONFIG_MAPPING[model_type]
     text = {"model_type": model_type, "hidden_size": cls().hidden_size, "num_hidden_layers": 9}
@@ -921,7 +922,8 @@ def test_source_defaults_are_what_transformers_class_gives(model_type):
 def test_library_defaults_are_read_from_the_configuration_source_only():
     from published_configs import PUBLISHED
 
-    from edge_core.artifact.config import fill_library_defaults, resolve_text_config
+    from edge_core.artifact.config import resolve_text_config
+    from edge_core.artifact.library_defaults import fill_library_defaults
 
     raw = PUBLISHED["google/gemma-3-4b-it"]
     text, key = resolve_text_config(raw)
@@ -1080,7 +1082,7 @@ def sentinel(tmp_path, monkeypatch):
 
 
 def test_defaults_are_read_from_annotated_fields_and_post_init(tmp_path, sentinel):
-    from edge_core.artifact.config import read_library_defaults
+    from edge_core.artifact.library_defaults import read_library_defaults
 
     found = read_library_defaults(fake_transformers(tmp_path), TOY_TEXT, TOY_TEXT, None)
     # max_position_embeddings is computed (not a literal); sliding_window is
@@ -1093,7 +1095,7 @@ def test_defaults_are_read_from_annotated_fields_and_post_init(tmp_path, sentine
 
 
 def test_published_fields_feed_the_derivation_and_aliases(tmp_path, sentinel):
-    from edge_core.artifact.config import read_library_defaults
+    from edge_core.artifact.library_defaults import read_library_defaults
 
     text = {**TOY_TEXT, "global_every": 2, "n_kv": 1}  # a kwargs-only field, and attribute_map's alias
     found = read_library_defaults(fake_transformers(tmp_path), text, text, None)
@@ -1103,7 +1105,8 @@ def test_published_fields_feed_the_derivation_and_aliases(tmp_path, sentinel):
 
 
 def test_a_wrapper_text_config_without_model_type_uses_the_wrappers_sub_config(tmp_path, sentinel):
-    from edge_core.artifact.config import read_library_defaults, resolve_text_config
+    from edge_core.artifact.config import resolve_text_config
+    from edge_core.artifact.library_defaults import read_library_defaults
 
     raw = {"model_type": "toy", "text_config": {k: v for k, v in TOY_TEXT.items() if k != "model_type"}}
     text, key = resolve_text_config(raw)
@@ -1112,7 +1115,7 @@ def test_a_wrapper_text_config_without_model_type_uses_the_wrappers_sub_config(t
 
 
 def test_init_keyword_defaults_are_read_the_transformers_4_way(tmp_path, sentinel):
-    from edge_core.artifact.config import read_library_defaults
+    from edge_core.artifact.library_defaults import read_library_defaults
 
     text = {"model_type": "old-toy", "hidden_size": 256, "num_hidden_layers": 6}
     found = read_library_defaults(fake_transformers(tmp_path), text, text, None)
@@ -1124,7 +1127,7 @@ def test_init_keyword_defaults_are_read_the_transformers_4_way(tmp_path, sentine
 
 @pytest.mark.parametrize("why", sorted(_UNFOLLOWED))
 def test_a_layer_pattern_edge_cannot_follow_is_left_unfilled(tmp_path, sentinel, why):
-    from edge_core.artifact.config import read_library_defaults
+    from edge_core.artifact.library_defaults import read_library_defaults
 
     body = textwrap.indent(_UNFOLLOWED[why], " " * 8)
     toy = _FAKE_TOY.replace(_FAKE_TOY[_FAKE_TOY.index("        self.sliding_window ="):
@@ -1134,7 +1137,7 @@ def test_a_layer_pattern_edge_cannot_follow_is_left_unfilled(tmp_path, sentinel,
 
 
 def test_an_unknown_model_type_fills_nothing_and_says_why(tmp_path, sentinel):
-    from edge_core.artifact.config import read_library_defaults
+    from edge_core.artifact.library_defaults import read_library_defaults
 
     text = {**TOY_TEXT, "model_type": "../../toy"}
     found = read_library_defaults(fake_transformers(tmp_path), text, text, None)
@@ -1143,7 +1146,7 @@ def test_an_unknown_model_type_fills_nothing_and_says_why(tmp_path, sentinel):
 
 
 def test_parsed_source_is_cached_per_version_and_model_type(tmp_path, sentinel):
-    from edge_core.artifact.config import read_library_defaults
+    from edge_core.artifact.library_defaults import read_library_defaults
 
     package = fake_transformers(tmp_path)
     first = read_library_defaults(package, TOY_TEXT, TOY_TEXT, None)
