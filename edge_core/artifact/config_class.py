@@ -18,7 +18,7 @@ from ..source_tree import SourceTree
 
 #: The base every configuration class ends at; its own fields (dtype, labels) are not geometry.
 _ROOT_CONFIGS = frozenset({"PreTrainedConfig", "PretrainedConfig"})
-#: How deep a chain of configuration base classes edge follows (5.19's deepest is 2).
+#: How deep a chain of configuration base classes edge follows (transformers' own deepest is 2).
 MAX_BASE_DEPTH = 8
 #: transformers' per-layer overrides (HeterogeneousConfigMixin): a class or config using them is not filled.
 PER_LAYER_CONFIG = "per_layer_config"
@@ -120,79 +120,96 @@ def class_source(reader: SourceTree, rel: str, name: str, depth: int = 0) -> Con
 
     # Bases edge cannot locate (mixins from outside transformers) add nothing.
     bases = [class_source(reader, *where, depth + 1) for where in map(locate, node.bases) if where is not None]
-    defaults: dict[str, Any] = {}
-    fields: set[str] = set()
-    assigned: dict[str, int] = {}
-    attribute_map: dict[str, str] = {}
-    sub_configs: dict[str, tuple[str, str]] = {}
-    opaque: set[str] = set()
+    found = _Declarations()
     for base in reversed(bases):  # the leftmost base wins, as in the MRO of these flat hierarchies
-        defaults.update(base.defaults)
-        fields |= base.fields
-        for attr, n in base.assigned.items():
-            assigned[attr] = assigned.get(attr, 0) + n
-        attribute_map = base.attribute_map or attribute_map
-        sub_configs.update(base.sub_configs)
-        opaque |= base.opaque
-    bodies: list[tuple[dict[str, Any], tuple[ast.stmt, ...]]] = []
-
-    def add_sites(sites: dict[str, int]) -> None:
-        for attr, n in sites.items():
-            assigned[attr] = assigned.get(attr, 0) + n
-
+        found.inherit(base)
     for stmt in node.body:
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            declared = stmt.target.id
-            annotation = stmt.annotation.value if isinstance(stmt.annotation, ast.Subscript) else stmt.annotation
-            if dotted_tail(annotation) == "ClassVar":
-                attribute_map, sub_configs = _class_attribute(declared, stmt.value, attribute_map, sub_configs,
-                                                              locate)
-                continue
-            fields.add(declared)
-            defaults.pop(declared, None)
-            literal = _literal(stmt.value) if stmt.value is not None else NO_VALUE
-            if literal is not NO_VALUE:
-                defaults[declared] = literal
-        elif isinstance(stmt, ast.Assign):
-            for target in stmt.targets:
-                if isinstance(target, ast.Name):
-                    attribute_map, sub_configs = _class_attribute(target.id, stmt.value, attribute_map,
-                                                                  sub_configs, locate)
-                    if target.id in fields:  # a plain class attribute over an inherited field: not its default
-                        defaults.pop(target.id, None)
-                        add_sites({target.id: 1})
-                        opaque.add(target.id)
-        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if any(dotted_tail(d) in ("property", "cached_property", "setter") for d in stmt.decorator_list):
-                add_sites({stmt.name: 1})
-                opaque.add(stmt.name)
-            sites = self_assignments(stmt)
-            params: dict[str, Any] = {}
-            if stmt.name == "__init__":
-                params = _keyword_defaults(stmt.args)
-                for attr in _passed_through(stmt, params):  # `self.x = x`: how a 4.x field is set, not a derivation
-                    fields.add(attr)
-                    defaults.pop(attr, None)
-                    if params[attr] is not NO_VALUE:
-                        defaults[attr] = params[attr]
-                    sites[attr] -= 1
-                for local in _rebound_names(stmt) & set(params):  # `if x is None: x = ...` before `self.x = x`
-                    sites[local] = sites.get(local, 0) + 1
-            add_sites(sites)
-            if stmt.name in ("__init__", "__post_init__"):
-                bodies.append((params, tuple(stmt.body)))
+        found.read(stmt, locate)
     source = ConfigSource(
         name=name,
         files=tuple(dict.fromkeys([rel, *(f for base in bases for f in base.files)])),
-        defaults=defaults, fields=frozenset(fields), attribute_map=attribute_map, assigned=assigned,
-        bodies=(*bodies, *(body for base in bases for body in base.bodies)), sub_configs=sub_configs,
-        opaque=frozenset(opaque),
+        defaults=found.defaults, fields=frozenset(found.fields), attribute_map=found.attribute_map,
+        assigned=found.assigned, bodies=(*found.bodies, *(body for base in bases for body in base.bodies)),
+        sub_configs=found.sub_configs, opaque=frozenset(found.opaque),
         per_layer=any(base.per_layer for base in bases) or any(
             dotted_tail(n) == PER_LAYER_CONFIG or (isinstance(n, ast.Constant) and n.value == PER_LAYER_CONFIG)
             for stmt in node.body if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
             for n in ast.walk(stmt) if isinstance(n, ast.expr)))
     _CLASSES[key] = source
     return source
+
+
+class _Declarations:
+    """What a class body and its bases declare, gathered statement by statement into a :class:`ConfigSource`."""
+
+    def __init__(self) -> None:
+        self.defaults: dict[str, Any] = {}
+        self.fields: set[str] = set()
+        self.assigned: dict[str, int] = {}
+        self.attribute_map: dict[str, str] = {}
+        self.sub_configs: dict[str, tuple[str, str]] = {}
+        self.opaque: set[str] = set()
+        self.bodies: list[tuple[dict[str, Any], tuple[ast.stmt, ...]]] = []
+
+    def inherit(self, base: ConfigSource) -> None:
+        self.defaults.update(base.defaults)
+        self.fields |= base.fields
+        self.add_sites(base.assigned)
+        self.attribute_map = base.attribute_map or self.attribute_map
+        self.sub_configs.update(base.sub_configs)
+        self.opaque |= base.opaque
+
+    def add_sites(self, sites: dict[str, int]) -> None:
+        for attr, n in sites.items():
+            self.assigned[attr] = self.assigned.get(attr, 0) + n
+
+    def class_attribute(self, attr: str, value: ast.expr | None,
+                        locate: Callable[[ast.expr], tuple[str, str] | None]) -> None:
+        self.attribute_map, self.sub_configs = _class_attribute(attr, value, self.attribute_map,
+                                                                self.sub_configs, locate)
+
+    def read(self, stmt: ast.stmt, locate: Callable[[ast.expr], tuple[str, str] | None]) -> None:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            declared = stmt.target.id
+            annotation = stmt.annotation.value if isinstance(stmt.annotation, ast.Subscript) else stmt.annotation
+            if dotted_tail(annotation) == "ClassVar":
+                self.class_attribute(declared, stmt.value, locate)
+                return
+            self.fields.add(declared)
+            self.defaults.pop(declared, None)
+            literal = _literal(stmt.value) if stmt.value is not None else NO_VALUE
+            if literal is not NO_VALUE:
+                self.defaults[declared] = literal
+        elif isinstance(stmt, ast.Assign):
+            for target in stmt.targets:
+                if isinstance(target, ast.Name):
+                    self.class_attribute(target.id, stmt.value, locate)
+                    if target.id in self.fields:  # a plain class attribute over an inherited field: not its default
+                        self.defaults.pop(target.id, None)
+                        self.add_sites({target.id: 1})
+                        self.opaque.add(target.id)
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            self.method(stmt)
+
+    def method(self, stmt: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        if any(dotted_tail(d) in ("property", "cached_property", "setter") for d in stmt.decorator_list):
+            self.add_sites({stmt.name: 1})
+            self.opaque.add(stmt.name)
+        sites = self_assignments(stmt)
+        params: dict[str, Any] = {}
+        if stmt.name == "__init__":
+            params = _keyword_defaults(stmt.args)
+            for attr in _passed_through(stmt, params):  # `self.x = x`: how a 4.x field is set, not a derivation
+                self.fields.add(attr)
+                self.defaults.pop(attr, None)
+                if params[attr] is not NO_VALUE:
+                    self.defaults[attr] = params[attr]
+                sites[attr] -= 1
+            for local in _rebound_names(stmt) & set(params):  # `if x is None: x = ...` before `self.x = x`
+                sites[local] = sites.get(local, 0) + 1
+        self.add_sites(sites)
+        if stmt.name in ("__init__", "__post_init__"):
+            self.bodies.append((params, tuple(stmt.body)))
 
 
 NO_VALUE = object()

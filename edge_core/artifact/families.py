@@ -6,8 +6,9 @@ layer's type from whichever per-layer vocabulary the family publishes
 ``full_attention_interval``, ``sliding_window_pattern``,
 ``attn_layer_indices``, ...) through :data:`PATTERN_RULES`, an ordered table;
 :func:`traits_of` gives the few per-family facts that change a layer's size.
-Both follow what vLLM 0.32 reads for each family (its model files read the
-attributes transformers 5.19's configuration classes derive).
+Both follow what the vLLM edge-cpu pins reads for each family (its model
+files read the attributes transformers' configuration classes derive;
+docs/vllm-cpu-facts.md names the versions).
 
 Evidence classes (:data:`edge_core.devices.EVIDENCE`): ``D`` detected -- the
 config states the pattern; ``E`` estimated -- edge inferred it from the

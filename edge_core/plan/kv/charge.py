@@ -230,7 +230,7 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
     byte. Recurrent state follows vLLM's two settings: ``mamba_cache_dtype``
     (conv state; auto = the model dtype) and ``mamba_ssm_cache_dtype`` (the
     SSM state; default :data:`DEFAULT_MAMBA_SSM_CACHE_DTYPE`, what vLLM CPU
-    0.32 resolves; ``auto`` = the model config's request, else the conv dtype).
+    resolves; ``auto`` = the model config's request, else the conv dtype).
     ``max_num_batched_tokens`` None is charged as ``max_model_len`` in flight
     — vLLM's bound without chunked prefill, and the conservative one; pass the
     engine's value to get its real sliding charge. ``concurrent_batches`` is

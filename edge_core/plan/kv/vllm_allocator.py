@@ -1,8 +1,9 @@
 """What vLLM's own KV allocator reserves for a layout: whole blocks, group padding, state pages, the null block.
 
-An emulation of vLLM 0.32's v1 KV cache manager (``v1/kv_cache_interface.py``,
-``v1/core/kv_cache_utils.py``, ``Platform._align_hybrid_block_size``), so the
-planner can hand vLLM a ``kv_cache_memory_bytes`` it will accept. Engine
+An emulation of the v1 KV cache manager of the vLLM edge-cpu pins
+(``v1/kv_cache_interface.py``, ``v1/core/kv_cache_utils.py``,
+``Platform._align_hybrid_block_size``; docs/vllm-cpu-facts.md names the
+version), so the planner can hand vLLM a ``kv_cache_memory_bytes`` it will accept. Engine
 specific: it is the ``vllm`` rule of :mod:`.charge`, kept apart so the rules
 of another engine can sit beside it.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from .layout import KVLayout
 
-#: The SSM (temporal) state dtype vLLM CPU 0.32 ends up with when the user
+#: The SSM (temporal) state dtype vLLM CPU ends up with when the user
 #: names none (D, read from the source): ``platforms/cpu.py``
 #: ``check_and_update_config`` resets ``mamba_ssm_cache_dtype`` to float32 on
 #: every AVX512-BF16 host unless an accelerated-GDN model asked for fp16/bf16;
