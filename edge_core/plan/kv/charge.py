@@ -2,7 +2,7 @@
 
 * ``flat`` -- every attention layer holds every token (the naive figure);
 * ``by_layer_type`` -- a sliding layer holds its window, a chunked layer its
-  chunk (the hybrid reference figure, README "What edge budgets");
+  chunk (the reference figure for hybrids; ``kv.bytes_by_layer_type`` in docs/json.md);
 * ``vllm`` -- what vLLM's own allocator reserves (:mod:`.vllm_allocator`).
 
 Recurrent (Mamba, linear-attention, short-conv) state is per sequence, not per
