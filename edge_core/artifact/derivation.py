@@ -1,8 +1,8 @@
 """The one derivation edge replicates from a configuration class: the layer pattern, evaluated in a sandbox.
 
-The one derivation edge replicates is the layer pattern: transformers 5.x
-classes write `if self.layer_types is None: self.layer_types = <expression>`
-in __post_init__ (4.x: in __init__), from the layer count and a pattern
+transformers 5.x configuration classes write ``if self.layer_types is None:
+self.layer_types = <expression>`` in ``__post_init__`` (4.x: in ``__init__``),
+from the layer count and a pattern
 (Gemma3TextConfig: every sliding_window_pattern-th layer full, pattern from
 kwargs.get("sliding_window_pattern", 6)). Heads, KV heads and head_dim
 derivations (`num_key_value_heads = num_attention_heads`, `head_dim = hidden
