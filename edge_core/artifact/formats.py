@@ -3,7 +3,7 @@
 The *format* is a name as the checkpoint's ``quantization_config`` says it
 (``dense`` for none; ``compressed-tensors:int8`` (W8A8), ``gptq``, ``awq``,
 ``fp8``, ``mxfp4``, ``modelopt_fp4``, ``bitsandbytes``, ...). One name can hide
-several schemes that a runtime treats differently — vLLM CPU 0.32 runs 4-bit
+several schemes that a runtime treats differently — vLLM CPU runs 4-bit
 symmetric GPTQ but not 8-bit, block-scaled fp8 but not per-tensor fp8 — so the
 *scheme* (:func:`quantization_scheme_for`: bits, group size, symmetry,
 ``desc_act``, scale granularity, static or dynamic activations) travels beside
