@@ -146,7 +146,7 @@ def positive(value: Any, name: str, *, optional: bool = False) -> None:
 
 
 @dataclass(frozen=True)
-class ChargeSession:
+class ChargeSettings:
     """The per-session constants every charge needs (bytes per element, vLLM's resolved settings)."""
 
     max_num_seqs: int
@@ -163,7 +163,7 @@ class ChargeSession:
         return state_blocks_per_request(layer.state_formula, self.mamba_cache_mode)
 
 
-def charge_bytes(layout: KVLayout, rule: str, max_model_len: int, s: ChargeSession) -> int:
+def charge_bytes(layout: KVLayout, rule: str, max_model_len: int, s: ChargeSettings) -> int:
     """Bytes for one rule; the KV pool plus recurrent state for every sequence."""
     if rule != "vllm":
         per_seq = 0
@@ -181,10 +181,10 @@ def charge_bytes(layout: KVLayout, rule: str, max_model_len: int, s: ChargeSessi
                        mamba_cache_mode=s.mamba_cache_mode)
 
 
-def resolve_session(layout: KVLayout, kv_dtype: str, model_dtype: str, *, max_num_seqs: int,
-             max_num_batched_tokens: int | None, block_size: int | None, concurrent_batches: int,
-             mamba_cache_dtype: str, mamba_ssm_cache_dtype: str, enable_prefix_caching: bool | None,
-             kernel_block_tokens: int, config: Mapping[str, Any]) -> tuple[str, ChargeSession]:
+def resolve_charge_settings(layout: KVLayout, kv_dtype: str, model_dtype: str, *, max_num_seqs: int,
+                            max_num_batched_tokens: int | None, block_size: int | None, concurrent_batches: int,
+                            mamba_cache_dtype: str, mamba_ssm_cache_dtype: str, enable_prefix_caching: bool | None,
+                            kernel_block_tokens: int, config: Mapping[str, Any]) -> tuple[str, ChargeSettings]:
     """The KV dtype name and the resolved constants every charge of one session needs."""
     positive(max_num_seqs, "max_num_seqs")
     positive(max_num_batched_tokens, "max_num_batched_tokens", optional=True)
@@ -210,10 +210,10 @@ def resolve_session(layout: KVLayout, kv_dtype: str, model_dtype: str, *, max_nu
         ssm_bytes = dtype_bytes(mamba_ssm_cache_dtype, "mamba_ssm_cache_dtype")
     block = hybrid_block_size(layout, block_size, kv_bytes=kv_bytes, cache_bytes=cache_bytes,
                               ssm_bytes=ssm_bytes, kernel_block_tokens=kernel_block_tokens)
-    return resolved, ChargeSession(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   block_size=block, concurrent_batches=concurrent_batches, kv_bytes=kv_bytes,
-                                   cache_bytes=cache_bytes, ssm_bytes=ssm_bytes,
-                                   mamba_cache_mode=mamba_cache_mode(layout, enable_prefix_caching))
+    return resolved, ChargeSettings(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    block_size=block, concurrent_batches=concurrent_batches, kv_bytes=kv_bytes,
+                                    cache_bytes=cache_bytes, ssm_bytes=ssm_bytes,
+                                    mamba_cache_mode=mamba_cache_mode(layout, enable_prefix_caching))
 
 
 def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: int = 1,
@@ -248,12 +248,12 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
     """
     positive(max_model_len, "max_model_len")
     layout = rank_layout(kv_layout(config, tp_size), tp_size, layer_range)
-    resolved, s = resolve_session(layout, kv_dtype, model_dtype, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                                  concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
-                                  mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
-                                  enable_prefix_caching=enable_prefix_caching,
-                                  kernel_block_tokens=kernel_block_tokens, config=config)
+    resolved, s = resolve_charge_settings(layout, kv_dtype, model_dtype, max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                          concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
+                                          mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+                                          enable_prefix_caching=enable_prefix_caching,
+                                          kernel_block_tokens=kernel_block_tokens, config=config)
     figures = {rule: charge_bytes(layout, rule, max_model_len, s) for rule in RULES}
     recurrent = sum(l.state_bytes(s.cache_bytes, s.ssm_bytes) for l in layout.layers) * max_num_seqs
     per_token = sum(l.elements_per_token for l in layout.layers if l.attention) * s.kv_bytes
@@ -273,7 +273,7 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
         concurrent_batches=concurrent_batches)
 
 
-def _rule_notes(s: ChargeSession, max_num_batched_tokens: int | None, block_size: int | None, *,
+def _rule_notes(s: ChargeSettings, max_num_batched_tokens: int | None, block_size: int | None, *,
                 recurrent: bool, hybrid: bool, state_blocks: int) -> dict[str, str]:
     """One line per figure of :class:`KVEstimate` saying how it was computed."""
     if max_num_batched_tokens is None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from ...artifact.fields import CONTEXT_FIELDS, opt_int
 from ...errors import UsageError
-from .charge import charge_bytes, check_rule, positive, resolve_session
+from .charge import charge_bytes, check_rule, positive, resolve_charge_settings
 from .layout import kv_layout, rank_layout
 from .vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE
 
@@ -39,11 +39,11 @@ def max_model_len_for(config: Mapping[str, Any], budget_bytes: int, *, max_num_s
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise UsageError(f"budget_bytes must be an integer, got {budget_bytes!r}")
     layout = rank_layout(kv_layout(config, tp_size), tp_size, layer_range)
-    _, s = resolve_session(layout, kv_dtype, model_dtype, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                           concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
-                           mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, enable_prefix_caching=enable_prefix_caching,
-                           kernel_block_tokens=kernel_block_tokens, config=config)
+    _, s = resolve_charge_settings(layout, kv_dtype, model_dtype, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                   concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
+                                   mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, enable_prefix_caching=enable_prefix_caching,
+                                   kernel_block_tokens=kernel_block_tokens, config=config)
     if ceiling_tokens is None:
         ceiling_tokens = opt_int(config, CONTEXT_FIELDS) or DEFAULT_CEILING_TOKENS
     positive(ceiling_tokens, "ceiling_tokens")
