@@ -25,8 +25,8 @@ KINDS = ("cpu", "gpu_discrete", "gpu_integrated", "npu")
 #: Memory pools: ``vram`` is private to the device; ``host_ram`` is shared with the CPU.
 POOLS = ("vram", "host_ram")
 
-#: Evidence classes. ``D`` read from an artifact or the OS, ``B`` the backend ran
-#: something here, ``E`` an estimate.
+#: Evidence classes: ``D`` detected (read from an artifact or the OS), ``B``
+#: backend executed (the backend ran something here), ``E`` estimated.
 EVIDENCE = ("D", "B", "E")
 
 #: Environment variable holding a comma-separated list of kinds to mask.

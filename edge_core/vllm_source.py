@@ -7,8 +7,9 @@ vLLM backend shares (edge-cpu and edge-cuda drive builds of the same source):
 
 - :func:`installed_vllm`: which distribution, which version, which directory
   (``importlib`` finds the package without executing it);
-- :class:`SourceTree`: the package's files, each parsed on first use, with the
-  stat of each (a backend keying a cache on them knows when to re-read);
+- :class:`SourceTree` (:mod:`edge_core.source_tree`, the one ``ast`` package
+  reader, shared with the artifact layer's reading of transformers): the
+  package's files, each parsed on first use, with the stat of each;
 - :func:`read_model_registry`: the architectures ``model_executor/models/registry.py``
   registers, with the table, class and module of each;
 - :func:`pp_support`: whether an architecture's model class implements
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from .source_tree import SourceTree, Unreadable
+
 #: The model registry, relative to the ``vllm`` package directory.
 MODEL_REGISTRY = "model_executor/models/registry.py"
 #: The package the registry's ``(module, class)`` entries name modules of.
@@ -53,14 +56,6 @@ PP_UNSUPPORTED_ERROR = ("NotImplementedError: Pipeline parallelism is not suppor
 #: Base classes followed from a model class looking for :data:`PP_INTERFACE` (``MistralForCausalLM`` ->
 #: ``LlamaForCausalLM`` in another module is one hop).
 PP_BASE_HOPS = 4
-#: Larger files are not vLLM source; refuse to parse them.
-MAX_SOURCE_BYTES = 4 << 20
-
-
-class Unreadable(Exception):
-    """A piece of the source is not in the shape this reader knows; the message names file and symbol."""
-
-
 # ---------------------------------------------------------------- finding vLLM
 
 
@@ -83,45 +78,6 @@ def installed_vllm() -> tuple[str | None, str | None, Path | None]:
         except metadata.PackageNotFoundError:
             continue
     return None, None, root
-
-
-class SourceTree:
-    """The files of one vLLM package, parsed on first use, with the stat of each (for a backend's cache)."""
-
-    def __init__(self, root: Path | str) -> None:
-        self.root = Path(root)
-        self.parsed: dict[str, ast.Module] = {}
-        #: (path relative to root, size, mtime_ns) of every file parsed.
-        self.files: list[tuple[str, int, int]] = []
-
-    def module(self, rel: str) -> ast.Module:
-        if rel in self.parsed:
-            return self.parsed[rel]
-        path = self.root / rel
-        try:
-            st = path.stat()
-            if st.st_size > MAX_SOURCE_BYTES:
-                raise Unreadable(f"{rel}: {st.st_size} bytes is not a vLLM source file")
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise Unreadable(f"{rel}: cannot be read ({exc.strerror or exc})") from None
-        except UnicodeDecodeError:
-            raise Unreadable(f"{rel}: is not UTF-8 text") from None
-        try:
-            tree = ast.parse(text, filename=rel)
-        except (SyntaxError, ValueError) as exc:
-            raise Unreadable(f"{rel}: does not parse as Python ({exc})") from None
-        self.parsed[rel] = tree
-        self.files.append((rel, st.st_size, st.st_mtime_ns))
-        return tree
-
-    def module_file(self, dotted: str) -> str:
-        """``vllm.a.b`` -> ``a/b.py`` (or ``a/b/__init__.py``) relative to the package."""
-        parts = dotted.split(".")
-        if parts[0] != "vllm":
-            raise Unreadable(f"{dotted}: not a module of the vllm package")
-        rel = "/".join(parts[1:])
-        return f"{rel}.py" if (self.root / f"{rel}.py").is_file() else f"{rel}/__init__.py"
 
 
 # ---------------------------------------------------------------- the disk cache

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-
-TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:  # lets tests import the helper modules beside them (factories, fakes)
-    sys.path.insert(0, str(TESTS))
-
-from fakes import FakeEntryPoint, write_host_tree  # noqa: E402
+from fakes import FakeEntryPoint, write_host_tree  # beside this file: pyproject.toml's pythonpath = ["tests"]
 
 # The header-verdict cache of the suite's checkpoints stays out of the user's ~/.cache (subprocesses inherit it).
 os.environ.setdefault("EDGE_HEADER_CACHE_DIR", tempfile.mkdtemp(prefix="edge-test-headers-"))

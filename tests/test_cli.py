@@ -69,12 +69,11 @@ def test_mask_keeps_cpu_listed_as_masked():
 
 def test_foreign_backends_report_why_nothing_is_runnable_here():
     doc = edge_json("devices")
-    for device in doc["devices"]:
-        if not device["runnable"]:
-            assert device["reason"], device
-    for plugin in doc["plugins"]:
-        if plugin["status"] != "loaded":
-            assert plugin["reason"], plugin
+    idle = ([d for d in doc["devices"] if not d["runnable"]]
+            + [p for p in doc["plugins"] if p["status"] != "loaded"])
+    if not idle:
+        pytest.skip(f"every installed backend ({', '.join(INSTALLED) or 'none'}) runs here: nothing foreign to report")
+    assert all(entry["reason"] for entry in idle), idle
 
 
 @pytest.mark.skipif(not BROKEN <= set(INSTALLED), reason="the edge-broken fixtures are installed only by `nox -s thirdparty`")

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 from factories import llama_like_tensors, tiny_config, write_checkpoint
@@ -231,7 +229,6 @@ def test_sub_byte_empty_and_scalar_tensors_are_taken_by_the_fast_checks():
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import reference_set as ref
 
     out = {}

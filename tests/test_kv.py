@@ -2,7 +2,7 @@
 
 Expected numbers are computed here from the model cards' config values and
 the textbook formulas (K and V per kv head per layer; the MLA latent; Mamba's
-conv + SSM state), never copied from kv.py's output. The vLLM rule is also
+conv + SSM state), never copied from edge_core.plan.kv's output. The vLLM rule is also
 checked against the installed vLLM's own spec classes where vLLM is importable.
 """
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -21,6 +23,7 @@ import pytest
 
 from edge_core.artifact import DEMO_DIR
 from edge_core.cli.run import budget_lines
+from edge_core.plan import REFUSAL_CODES
 from edge_core.runtime import PROMPTS, first_divergence, memory_record
 from edge_core.runtime.measure import CounterReport, MemoryReport
 
@@ -48,8 +51,15 @@ def test_first_divergence_reports_a_position_not_a_yes_no():
     assert first_divergence([1, 2], [1, 2, 3]) == 2
 
 
-def test_the_fixed_prompts_are_twelve_and_distinct():
-    assert len(PROMPTS) == 12 and len(set(PROMPTS)) == 12
+def test_the_documented_prompt_count_is_the_runtimes_and_no_prompt_repeats():
+    # README and docs/json.md say how many prompts accept runs; the runtime's tuple is the truth.
+    words = {"ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14, "sixteen": 16}
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("README.md", "docs/json.md"):
+        said = re.findall(r"\b(" + "|".join(words) + r") prompts\b", (root / doc).read_text(encoding="utf-8"))
+        assert said and {words[w] for w in said} == {len(PROMPTS)}, (doc, said)
+    # a repeated prompt would check one output twice and another not at all
+    assert len({" ".join(p.lower().split()) for p in PROMPTS}) == len(PROMPTS)
 
 
 def _report(pss: tuple[int, int], rss: tuple[int, int], available: tuple[int, int]) -> MemoryReport:
@@ -116,7 +126,15 @@ def test_run_refusal_as_json_names_the_reason():
     assert done.returncode == 2, done.stderr
     record = json.loads(done.stdout)
     assert record["schema"] == "edge.run" and record["outcome"] == "refused"
-    assert record["plan"]["refusals"]
+    refusals = record["plan"]["refusals"]
+    assert refusals and all(r["code"] in REFUSAL_CODES and r["message"] and r["remedy"] for r in refusals)
+    if importlib.util.find_spec("edge_cpu") is not None:  # the CPU device refuses the checkpoint itself
+        [refusal] = refusals
+        assert refusal["code"] == "kernel_unsupported" and refusal["details"]["head_dim"] == 16
+        assert "head_dim=16" in refusal["message"]
+    else:  # the core alone: no backend, so no device to run anything on
+        assert [r["code"] for r in refusals] == ["no_runnable_device"]
+        assert "no device was found" in refusals[0]["message"]
 
 
 def test_accept_needs_a_json_target():

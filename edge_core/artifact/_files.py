@@ -97,8 +97,8 @@ def _fast_decoder() -> Any:
 def loads(data: bytes) -> Any:
     """The JSON document in ``data`` (UTF-8), as :func:`json.loads` reads it.
 
-    msgspec's decoder parses it: DeepSeek-V3's 12 MB of headers took 0.155 s
-    there against 0.290 s in ``json.loads`` (measured here). It builds the
+    msgspec's decoder parses it, about twice as fast on the largest headers
+    (docs/benchmarks.md#the-two-largest-cold-msgspecs-decoder-where-it-is-installed). It builds the
     same dicts, lists, strings and numbers; anything it does not take (a
     byte-order mark, NaN, an integer past 64 bits, bad input) goes to
     ``json.loads``, which accepts or refuses it in its own words.

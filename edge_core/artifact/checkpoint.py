@@ -25,16 +25,10 @@ from typing import Any, NamedTuple
 from ..errors import ArtifactError
 from . import header_cache
 from ._files import canonical, check_contained, content_digest, parse_json, read_bounded, read_json
-from .config import (
-    CONFIG_NAME,
-    fill_library_defaults,
-    identity,
-    quantization_of,
-    read_config_sized,
-    resolve_text_config,
-)
+from .config import CONFIG_NAME, identity, quantization_of, read_config_sized, resolve_text_config
 from .formats import weight_format_for
 from .header import SAFETENSORS_DTYPES, ShardHeader, ShardTensors, TensorTable, check_header, read_header
+from .library_defaults import fill_library_defaults
 from .manifest import ARTIFACT_ID_HEX_CHARS, Manifest
 
 INDEX_NAME = "model.safetensors.index.json"

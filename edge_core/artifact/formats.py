@@ -1,9 +1,9 @@
-"""Which weight format a checkpoint is in, and its scheme, read from its ``quantization_config`` (SPEC section 4).
+"""Which weight format a checkpoint is in, and its scheme, read from its ``quantization_config``.
 
 The *format* is a name as the checkpoint's ``quantization_config`` says it
 (``dense`` for none; ``compressed-tensors:int8`` (W8A8), ``gptq``, ``awq``,
 ``fp8``, ``mxfp4``, ``modelopt_fp4``, ``bitsandbytes``, ...). One name can hide
-several schemes that a runtime treats differently — vLLM CPU 0.32 runs 4-bit
+several schemes that a runtime treats differently — vLLM CPU runs 4-bit
 symmetric GPTQ but not 8-bit, block-scaled fp8 but not per-tensor fp8 — so the
 *scheme* (:func:`quantization_scheme_for`: bits, group size, symmetry,
 ``desc_act``, scale granularity, static or dynamic activations) travels beside
@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import ArtifactError
 from ._files import is_int
 
-#: quant_method values edge names a format for (SPEC section 4, plus mxfp4: gpt-oss checkpoints).
+#: quant_method values edge names a format for (docs/writing-a-backend.md, ``weight_formats``; mxfp4: gpt-oss).
 KNOWN_QUANT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "modelopt", "bitsandbytes", "mxfp4")
 
 #: Prefix of the format of a valid checkpoint whose quant_method (or ModelOpt quant_algo) edge does not know.
@@ -33,7 +33,7 @@ UNKNOWN_FORMAT_PREFIX = "unknown:"
 #: in that field is a broken config, not a method edge merely does not know.
 _METHOD_NAME = re.compile(r"[a-z0-9][a-z0-9_.\-]{0,63}")
 
-#: ModelOpt quant_algo -> format; NVFP4 weights with fp8 block scales are SPEC's ``modelopt_fp4``.
+#: ModelOpt quant_algo -> format; NVFP4 weights with fp8 block scales are ``modelopt_fp4``.
 _MODELOPT_ALGOS = {
     "NVFP4": "modelopt_fp4", "W4A16_NVFP4": "modelopt_fp4",
     "FP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8", "FP8_PB_WO": "fp8",
@@ -49,7 +49,7 @@ def _method_of(quantization: dict[str, Any]) -> str | None:
 
 
 def weight_format_for(quantization: dict[str, Any] | None, where: str = "config.json") -> str:
-    """SPEC section 4's format name for a ``quantization_config`` (``dense`` for None)."""
+    """The format name backends gate on for a ``quantization_config`` (``dense`` for None)."""
     if quantization is None:
         return "dense"
     if not isinstance(quantization, dict):
@@ -146,7 +146,7 @@ def _ct_scheme(weights: Any, acts: Any, hint: str | None, group: str, where: str
         return "compressed-tensors:w4a16"
     if wtype == "float" and wbits == 4 and hint in _CT_FORMAT_HINTS:
         return _CT_FORMAT_HINTS[hint]
-    # A scheme SPEC does not name still gets a precise name, so a refusal can say what it is.
+    # A scheme with no common name still gets a precise one, so a refusal can say what it is.
     suffix = "" if wtype == "int" else f"-{wtype}"
     return f"compressed-tensors:w{wbits}a{abits if is_int(abits) else 16}{suffix}"
 

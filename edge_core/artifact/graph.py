@@ -3,10 +3,10 @@
 iGPUs and NPUs execute exported graphs, and which one they take depends on the
 graph's numeric scheme: the XDNA2 NPU runs only QDQ graphs with 16-bit
 activations and 8-bit weights (``onnx:a16w8``); fp32 and A8W8 graphs are not
-rejected by the runtime, they silently stay on the CPU (SPEC section 4). So the
-scheme is read from the graph itself: the zero-point types of its
-QuantizeLinear nodes and the types of the initializers its DequantizeLinear
-nodes read. The graph is parsed with ``onnx`` (an optional extra, imported
+rejected by the runtime, they silently stay on the CPU (docs/writing-a-backend.md,
+``format_remedy``). So the scheme is read from the graph itself: the
+zero-point types of its QuantizeLinear nodes and the types of the initializers
+its DequantizeLinear nodes read. The graph is parsed with ``onnx`` (an optional extra, imported
 here only) with external data left on disk; external data files are checked
 for containment and size, never read, unless a content digest is asked for.
 """

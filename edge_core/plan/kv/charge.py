@@ -1,0 +1,302 @@
+"""A session's KV charge in bytes, three ways side by side.
+
+* ``flat`` -- every attention layer holds every token (the naive figure);
+* ``by_layer_type`` -- a sliding layer holds its window, a chunked layer its
+  chunk (the reference figure for hybrids; ``kv.bytes_by_layer_type`` in docs/json.md);
+* ``vllm`` -- what vLLM's own allocator reserves (:mod:`.vllm_allocator`).
+
+Recurrent (Mamba, linear-attention, short-conv) state is per sequence, not per
+token, and is added to all three totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...artifact.families import ssm_dtype_asked
+from ...errors import UsageError
+from .layout import KVLayout, LayerKV, kv_layout, rank_layout
+from .vllm_allocator import (
+    CPU_ATTN_KERNEL_BLOCK_TOKENS,
+    DEFAULT_MAMBA_SSM_CACHE_DTYPE,
+    hybrid_block_size,
+    mamba_cache_mode,
+    state_blocks_per_request,
+    vllm_charge,
+)
+
+#: Charging rules, in the order :class:`KVEstimate` reports them.
+RULES = ("flat", "by_layer_type", "vllm")
+
+#: Bytes per element for the dtypes a KV cache or model is stored in.
+#: ``auto`` as a KV dtype means the model dtype (vLLM's meaning too).
+DTYPE_BYTES = {
+    "float32": 4, "float": 4, "fp32": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1,
+}
+
+
+@dataclass(frozen=True)
+class KVEstimate:
+    """A session's KV charge under each rule, in bytes, with how each was computed.
+
+    Every ``bytes_*`` total covers ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens and includes ``recurrent_state_bytes`` (one
+    state per sequence; the ``vllm`` rule charges vLLM's state blocks).
+    ``bytes_per_token_flat`` is one token of one sequence in every attention
+    layer. ``block_size`` is the attention block vLLM will use -- for a hybrid,
+    the platform's ``base_block_size`` enlarged until one attention page holds
+    one state page. ``state_dtype_bytes`` is ``mamba_cache_dtype`` (conv
+    state), ``ssm_state_dtype_bytes`` ``mamba_ssm_cache_dtype``.
+    ``mamba_cache_mode`` is vLLM's (``align`` with prefix caching, else
+    ``none``; None without recurrent layers) and ``state_blocks_per_request``
+    the state pages one request holds per recurrent layer under it.
+    ``rules`` holds one note per figure.
+    """
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    block_size: int | None
+    kv_dtype: str
+    kv_dtype_bytes: int
+    state_dtype_bytes: int
+    layer_counts: dict[str, int]
+    windows_tokens: tuple[int, ...]
+    bytes_per_token_flat: int
+    bytes_flat: int
+    bytes_by_layer_type: int
+    bytes_vllm: int
+    recurrent_state_bytes: int
+    evidence: str
+    rules: dict[str, str] = field(default_factory=dict)
+    base_block_size: int | None = None
+    ssm_state_dtype_bytes: int = 0
+    mamba_cache_mode: str | None = None
+    state_blocks_per_request: int = 0
+    #: The rank this estimate is for (:func:`~.layout.rank_layout`): 1 and None for a whole model on one device.
+    tp_size: int = 1
+    layer_range: tuple[int, int] | None = None
+    concurrent_batches: int = 1
+
+    @property
+    def tokens(self) -> int:
+        """Token slots the session asks for: max_model_len x max_num_seqs."""
+        return self.max_model_len * self.max_num_seqs
+
+    def bytes_for(self, rule: str) -> int:
+        return {"flat": self.bytes_flat, "by_layer_type": self.bytes_by_layer_type,
+                "vllm": self.bytes_vllm}[check_rule(rule)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+            "base_block_size": self.base_block_size,
+            "tokens": self.tokens,
+            "kv_dtype": self.kv_dtype,
+            "kv_dtype_bytes": self.kv_dtype_bytes,
+            "state_dtype_bytes": self.state_dtype_bytes,
+            "ssm_state_dtype_bytes": self.ssm_state_dtype_bytes,
+            "mamba_cache_mode": self.mamba_cache_mode,
+            "state_blocks_per_request": self.state_blocks_per_request,
+            "layer_counts": dict(self.layer_counts),
+            "windows_tokens": list(self.windows_tokens),
+            "bytes_per_token_flat": self.bytes_per_token_flat,
+            "bytes_flat": self.bytes_flat,
+            "bytes_by_layer_type": self.bytes_by_layer_type,
+            "bytes_vllm": self.bytes_vllm,
+            "recurrent_state_bytes": self.recurrent_state_bytes,
+            "evidence": self.evidence,
+            "rules": dict(self.rules),
+            "tp_size": self.tp_size,
+            "layer_range": list(self.layer_range) if self.layer_range is not None else None,
+            "concurrent_batches": self.concurrent_batches,
+        }
+
+
+def dtype_bytes(name: str, what: str) -> int:
+    """Bytes per element of a dtype name (``torch.`` prefix allowed); :class:`UsageError` otherwise."""
+    key = str(name).lower()
+    if key.startswith("torch."):
+        key = key[len("torch."):]
+    if key not in DTYPE_BYTES:
+        raise UsageError(f"{what} {name!r} is not one of {', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_BYTES[key]
+
+
+def check_rule(rule: str) -> str:
+    """``rule`` when it is one of :data:`RULES`; :class:`UsageError` otherwise."""
+    if rule not in RULES:
+        raise UsageError(f"KV rule {rule!r} is not one of {', '.join(RULES)}")
+    return rule
+
+
+def positive(value: Any, name: str, *, optional: bool = False) -> None:
+    """:class:`UsageError` unless ``value`` is a positive int (or None when ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ChargeSettings:
+    """The per-session constants every charge needs (bytes per element, vLLM's resolved settings)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    block_size: int | None
+    concurrent_batches: int
+    kv_bytes: int
+    cache_bytes: int
+    ssm_bytes: int
+    mamba_cache_mode: str | None
+
+    def state_blocks(self, layer: LayerKV) -> int:
+        """State pages one request holds for this recurrent layer."""
+        return state_blocks_per_request(layer.state_formula, self.mamba_cache_mode)
+
+
+def charge_bytes(layout: KVLayout, rule: str, max_model_len: int, s: ChargeSettings) -> int:
+    """Bytes for one rule; the KV pool plus recurrent state for every sequence."""
+    if rule != "vllm":
+        per_seq = 0
+        for layer in layout.layers:
+            if layer.attention:
+                tokens = max_model_len
+                if rule == "by_layer_type" and layer.window_tokens:
+                    tokens = min(layer.window_tokens, max_model_len)
+                per_seq += tokens * layer.elements_per_token * s.kv_bytes
+            per_seq += layer.state_bytes(s.cache_bytes, s.ssm_bytes)
+        return per_seq * s.max_num_seqs
+    return vllm_charge(layout, max_model_len, max_num_seqs=s.max_num_seqs,
+                       max_num_batched_tokens=s.max_num_batched_tokens, concurrent_batches=s.concurrent_batches,
+                       block_size=s.block_size, kv_bytes=s.kv_bytes, cache_bytes=s.cache_bytes, ssm_bytes=s.ssm_bytes,
+                       mamba_cache_mode=s.mamba_cache_mode)
+
+
+def resolve_charge_settings(layout: KVLayout, kv_dtype: str, model_dtype: str, *, max_num_seqs: int,
+                            max_num_batched_tokens: int | None, block_size: int | None, concurrent_batches: int,
+                            mamba_cache_dtype: str, mamba_ssm_cache_dtype: str, enable_prefix_caching: bool | None,
+                            kernel_block_tokens: int, config: Mapping[str, Any]) -> tuple[str, ChargeSettings]:
+    """The KV dtype name and the resolved constants every charge of one session needs."""
+    positive(max_num_seqs, "max_num_seqs")
+    positive(max_num_batched_tokens, "max_num_batched_tokens", optional=True)
+    positive(block_size, "block_size", optional=True)
+    positive(concurrent_batches, "concurrent_batches")
+    positive(kernel_block_tokens, "kernel_block_tokens")
+    model_bytes = dtype_bytes(model_dtype, "model dtype")
+    if str(kv_dtype).lower() == "auto":
+        resolved, kv_bytes = str(model_dtype).lower(), model_bytes
+    else:
+        resolved, kv_bytes = str(kv_dtype).lower(), dtype_bytes(kv_dtype, "KV cache dtype")
+    # mamba_cache_dtype auto: the model dtype (MambaStateDtypeCalculator,
+    # get_kv_cache_torch_dtype). mamba_ssm_cache_dtype auto: what the model's
+    # config asks for (NemotronH's mamba_ssm_cache_dtype, default float32;
+    # Qwen3.5's mamba_ssm_dtype -- models/config.py), else the conv dtype.
+    cache_bytes = model_bytes if str(mamba_cache_dtype).lower() == "auto" else dtype_bytes(
+        mamba_cache_dtype, "mamba_cache_dtype")
+    ssm_name = str(mamba_ssm_cache_dtype).lower()
+    if ssm_name == "auto":
+        asked = ssm_dtype_asked(config)
+        ssm_bytes = dtype_bytes(asked, "mamba_ssm_cache_dtype") if asked else cache_bytes
+    else:
+        ssm_bytes = dtype_bytes(mamba_ssm_cache_dtype, "mamba_ssm_cache_dtype")
+    block = hybrid_block_size(layout, block_size, kv_bytes=kv_bytes, cache_bytes=cache_bytes,
+                              ssm_bytes=ssm_bytes, kernel_block_tokens=kernel_block_tokens)
+    return resolved, ChargeSettings(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    block_size=block, concurrent_batches=concurrent_batches, kv_bytes=kv_bytes,
+                                    cache_bytes=cache_bytes, ssm_bytes=ssm_bytes,
+                                    mamba_cache_mode=mamba_cache_mode(layout, enable_prefix_caching))
+
+
+def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: int = 1,
+                max_num_batched_tokens: int | None = None, kv_dtype: str = "auto",
+                model_dtype: str = "bfloat16", block_size: int | None = None,
+                concurrent_batches: int = 1, mamba_cache_dtype: str = "auto",
+                mamba_ssm_cache_dtype: str = DEFAULT_MAMBA_SSM_CACHE_DTYPE,
+                enable_prefix_caching: bool | None = None,
+                kernel_block_tokens: int = CPU_ATTN_KERNEL_BLOCK_TOKENS, tp_size: int = 1,
+                layer_range: tuple[int, int] | None = None) -> KVEstimate:
+    """Charge a session's KV cache three ways (see the module docstring).
+
+    ``kv_dtype`` ``auto`` stores KV in ``model_dtype``; fp8 variants take one
+    byte. Recurrent state follows vLLM's two settings: ``mamba_cache_dtype``
+    (conv state; auto = the model dtype) and ``mamba_ssm_cache_dtype`` (the
+    SSM state; default :data:`DEFAULT_MAMBA_SSM_CACHE_DTYPE`, what vLLM CPU
+    resolves; ``auto`` = the model config's request, else the conv dtype).
+    ``max_num_batched_tokens`` None is charged as ``max_model_len`` in flight
+    — vLLM's bound without chunked prefill, and the conservative one; pass the
+    engine's value to get its real sliding charge. ``concurrent_batches`` is
+    vLLM's ``max_concurrent_batches``: 1 on the CPU build (platforms/cpu.py
+    forces async scheduling off), 2 under async scheduling (the CUDA default),
+    the pipeline size under pipeline parallelism. ``block_size`` is the
+    platform's block (CPU 128); for a hybrid the estimate's ``block_size``
+    is the larger one vLLM will pick (:func:`hybrid_block_size`), and passing
+    it back gives the same answer. None charges exact tokens: no block
+    rounding, no null block. ``enable_prefix_caching`` None is vLLM's default
+    (on, except for attention-free models); with it a recurrent layer holds
+    ``align``-mode state blocks. ``tp_size`` and ``layer_range`` charge one
+    rank of a parallel layout (:func:`rank_layout`); vLLM's
+    ``kv_cache_memory_bytes`` is per rank.
+    """
+    positive(max_model_len, "max_model_len")
+    layout = rank_layout(kv_layout(config, tp_size), tp_size, layer_range)
+    resolved, s = resolve_charge_settings(layout, kv_dtype, model_dtype, max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                          concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
+                                          mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+                                          enable_prefix_caching=enable_prefix_caching,
+                                          kernel_block_tokens=kernel_block_tokens, config=config)
+    figures = {rule: charge_bytes(layout, rule, max_model_len, s) for rule in RULES}
+    recurrent = sum(l.state_bytes(s.cache_bytes, s.ssm_bytes) for l in layout.layers) * max_num_seqs
+    per_token = sum(l.elements_per_token for l in layout.layers if l.attention) * s.kv_bytes
+    blocks = max((s.state_blocks(l) for l in layout.layers if l.state_elements), default=0)
+    rules = _rule_notes(s, max_num_batched_tokens, block_size, recurrent=bool(recurrent),
+                        hybrid=bool(s.block_size and per_token), state_blocks=blocks)
+    return KVEstimate(
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, block_size=s.block_size,
+        kv_dtype=resolved, kv_dtype_bytes=s.kv_bytes, state_dtype_bytes=s.cache_bytes,
+        layer_counts=layout.counts(), windows_tokens=layout.windows_tokens(),
+        bytes_per_token_flat=per_token, bytes_flat=figures["flat"],
+        bytes_by_layer_type=figures["by_layer_type"], bytes_vllm=figures["vllm"],
+        recurrent_state_bytes=recurrent, evidence=layout.evidence, rules=rules,
+        base_block_size=block_size, ssm_state_dtype_bytes=s.ssm_bytes, mamba_cache_mode=s.mamba_cache_mode,
+        state_blocks_per_request=blocks, tp_size=tp_size, layer_range=layer_range,
+        concurrent_batches=concurrent_batches)
+
+
+def _rule_notes(s: ChargeSettings, max_num_batched_tokens: int | None, block_size: int | None, *,
+                recurrent: bool, hybrid: bool, state_blocks: int) -> dict[str, str]:
+    """One line per figure of :class:`KVEstimate` saying how it was computed."""
+    if max_num_batched_tokens is None:
+        in_flight = "max_model_len (max_num_batched_tokens not given)"
+    else:
+        in_flight = f"{s.concurrent_batches} x max_num_batched_tokens {max_num_batched_tokens}"
+    rounding = (f"whole blocks of {s.block_size} tokens per layer per sequence, "
+                f"+1 block per sliding layer, group padding, plus one null block"
+                if s.block_size else "exact tokens (no block_size given), group padding")
+    rules = {
+        "flat": "every attention layer holds max_model_len tokens per sequence",
+        "by_layer_type": "full/MLA layers hold max_model_len tokens; sliding and chunked "
+                         "layers hold min(window, max_model_len)",
+        "vllm": "vLLM 0.32 allocator: full layers max_model_len; sliding layers "
+                f"min(window - 1 + in-flight tokens, max_model_len), in flight = {in_flight}; "
+                f"chunked layers as full (hybrid manager off); {rounding}",
+    }
+    if recurrent:
+        rules["recurrent"] = (
+            f"recurrent state per sequence, conv part in {s.cache_bytes} B/elem (mamba_cache_dtype), "
+            f"SSM part in {s.ssm_bytes} B/elem (mamba_ssm_cache_dtype), added to every total "
+            f"(estimate from the state shapes); vLLM rule: mamba_cache_mode {s.mamba_cache_mode}, "
+            f"{state_blocks} state page(s) per request per recurrent layer"
+            + (f", each padded to one attention page of the hybrid block {s.block_size} tokens "
+               f"(platform block {block_size})" if hybrid else ""))
+    return rules
