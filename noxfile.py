@@ -14,7 +14,11 @@ combination can change its outcome -- alone (``core``) and beside every backend
 (``all``: every runtime the suite can use is there). A backend's session runs
 that backend's tests, which subclass the conformance kit, the CLI tests that
 read what is installed (``tests/test_cli.py``) and a CLI smoke; ``cpu`` also
-runs every ``engine`` test, the only ones ``all`` leaves out.
+runs every ``engine`` test, the only ones ``all`` leaves out: two at a time on
+two xdist workers, each held to one core (an engine start is mostly one core
+importing), then, one at a time, those marked ``alone`` (they check measured
+memory against the prediction, use every core, or plan from the host's free
+memory).
 
 Every package is built into a wheel once per nox run and every session installs
 that wheel (never editable), so a missing file in a package's manifest fails
@@ -74,7 +78,10 @@ NO_DEPS = {"cuda", "dml", "vitisai"}
 STAND_INS = {"dml": ("onnx>=1.16", "onnxruntime"), "vitisai": ("onnx>=1.16", "onnxruntime")}
 
 #: Two workers where a session runs many short tests (measured: docs/benchmarks.md#the-test-suite).
-XDIST = ("-n", "2")
+#: ``loadgroup``: tests marked ``xdist_group`` (those sharing one server) stay on one worker.
+XDIST = ("-n", "2", "--dist", "loadgroup")
+#: tests/conftest.py holds each xdist worker to one usable core when this is set (engine tests two at a time).
+ENGINE_PAIRS = {"EDGE_TEST_PIN_WORKERS": "1"}
 
 
 def _pip_find_links() -> str | None:
@@ -159,14 +166,15 @@ def _install_plugin(session: nox.Session, name: str) -> None:
         _uninstall(session, *BROKEN_BESIDE_CPU_TORCH)
 
 
-def _pytest(session: nox.Session, *paths: str, marks: str | None = None, workers: bool = False) -> None:
+def _pytest(session: nox.Session, *paths: str, marks: str | None = None, workers: bool = False,
+            env: dict[str, str] | None = None) -> None:
     """Run pytest from a temporary directory, so the tests import the installed wheels, not the checkout."""
     reports = WORK / "reports"
     reports.mkdir(parents=True, exist_ok=True)
     report = reports / f"{session.name}-{len(list(reports.glob(f'{session.name}-*.xml')))}.xml"
     args = [str(ROOT / p) for p in paths] + (["-m", marks] if marks else []) + (list(XDIST) if workers else [])
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
-                f"--junitxml={report}", *args, *session.posargs)
+                f"--junitxml={report}", *args, *session.posargs, env=env)
 
 
 def _to_tmp(session: nox.Session) -> None:
@@ -217,10 +225,16 @@ def _plugin_session(name: str) -> Callable[[nox.Session], None]:
         _install_core(session)
         _install_plugin(session, name)
         _to_tmp(session)
-        _pytest(session, f"plugins/edge_{name}/tests", "tests/test_cli.py")
-        if name == "cpu":
-            # The tests that start vLLM, which `all` leaves out; one engine at a time on two cores.
-            _pytest(session, "tests", marks="engine")
+        if name != "cpu":
+            _pytest(session, f"plugins/edge_{name}/tests", "tests/test_cli.py")
+        else:
+            _pytest(session, "plugins/edge_cpu/tests", "tests/test_cli.py", marks="not engine", workers=True)
+            # The tests that start vLLM, which `all` leaves out: an engine start is mostly one core importing,
+            # so two engines at a time, each on a core of its own (ENGINE_PAIRS); then, one at a time, the
+            # ones that need the machine to themselves (the `alone` mark).
+            _pytest(session, "tests", "plugins/edge_cpu/tests", marks="engine and not alone", workers=True,
+                    env=ENGINE_PAIRS)
+            _pytest(session, "tests", "plugins/edge_cpu/tests", marks="engine and alone")
         _smoke(session)
 
     run.__name__ = run.__qualname__ = f"session_{name}"

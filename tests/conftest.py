@@ -15,6 +15,11 @@ os.environ.setdefault("EDGE_HEADER_CACHE_DIR", tempfile.mkdtemp(prefix="edge-tes
 # Plans see the suite's own sessions only: a developer's live `edge serve` on this host would otherwise hold
 # memory in the ledger every plan reads, and refuse the suite's checkpoints (`device_committed`).
 os.environ.setdefault("EDGE_LEDGER_DIR", tempfile.mkdtemp(prefix="edge-test-ledger-"))
+# Engine tests that may share the machine run on two xdist workers, each held to one of the usable cores
+# (noxfile.py's cpu session sets the variable): each engine then plans for, and binds to, its own core.
+if os.environ.get("EDGE_TEST_PIN_WORKERS") == "1" and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    _cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {_cores[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_cores)]})
 
 
 @pytest.fixture
@@ -72,3 +77,12 @@ def demo_run(tmp_path_factory):
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
         env={**os.environ, "EDGE_PROBE_TIMEOUT_S": "5", "TMPDIR": str(tmp)})
     return proc, tmp
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (``--dist loadgroup``), the engine tests of one module or class stay on one worker: they share
+    the engine a module- or class-scoped fixture started. A test that names its own group keeps it."""
+    for item in items:
+        if item.get_closest_marker("engine") is not None and item.get_closest_marker("xdist_group") is None:
+            scope = item.nodeid.split("::")[0] + (f"::{item.cls.__name__}" if item.cls is not None else "")
+            item.add_marker(pytest.mark.xdist_group(scope))

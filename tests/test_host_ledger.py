@@ -260,6 +260,7 @@ def _edge_json(*args: str, env: dict[str, str]) -> dict:
 
 @pytest.mark.vllm
 @pytest.mark.engine
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NEEDS_ENGINE), reason=f"needs vLLM CPU and edge-cpu; missing: {NEEDS_ENGINE}")
 def test_a_serving_session_holds_its_bytes_until_killed_and_nothing_is_left(tmp_path):

@@ -29,6 +29,7 @@ NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name)
 CHROMIUM = find_chromium()
 pytestmark = [
     pytest.mark.engine, pytest.mark.slow, pytest.mark.vllm,
+    pytest.mark.xdist_group("demo_server"),  # on one xdist worker with tests/test_serve.py's server tests
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
     pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: Debian's chromium package is not installed "
                                                 "(apt-get install chromium; .ci/run installs it where it can)"),

@@ -25,6 +25,7 @@ NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name)
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.engine,
+    pytest.mark.alone,
     pytest.mark.slow,
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
     pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="two ranks need two cores"),

@@ -20,6 +20,7 @@ import pytest
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 pytestmark = [
     pytest.mark.engine,
+    pytest.mark.alone,
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),

@@ -174,6 +174,7 @@ def test_parity_refuses_a_reference_layout_the_model_cannot_split_before_any_eng
 class TestRealEngine:
     pytestmark = needs_vllm
 
+    @pytest.mark.alone
     def test_run_streams_tokens_and_prints_the_budget_line(self, demo_run):
         done, _ = demo_run  # the suite's one `edge run` on the demo (conftest.py)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -185,7 +186,8 @@ class TestRealEngine:
         assert "predicted session peak" in budget and "tree-PSS peak" in budget and "(bounds)" in budget
         assert "starting vllm:cpu on cpu" in done.stderr  # progress went to stderr, not stdout
 
-    @pytest.mark.parametrize("layout", [(), ("--tensor-parallel-size", "2")], ids=["one-device", "tp2"])
+    @pytest.mark.parametrize("layout", [(), pytest.param(("--tensor-parallel-size", "2"), marks=pytest.mark.alone)],
+                             ids=["one-device", "tp2"])
     def test_ctrl_c_cancels_cleanly_with_exit_130(self, layout):
         if layout and (psutil.cpu_count() or 1) < 2:
             pytest.skip("two ranks need two cores")
@@ -234,6 +236,7 @@ class TestRealEngine:
         assert doc["plain_vllm"]["leftover_pids"] == []
         assert doc["runtime_env"]["values"]["VLLM_CPU_KVCACHE_SPACE"] is None
 
+    @pytest.mark.alone
     def test_accept_on_the_demo_passes_every_criterion(self, tmp_path):
         record = tmp_path / "accept.json"
         done = _edge("accept", "--json", str(record))

@@ -106,7 +106,8 @@ def served(demo_server):
 
 
 class TestRealServer:
-    pytestmark = needs_vllm
+    # On one xdist worker with the page's tests: both read the shared server (conftest's demo_server).
+    pytestmark = [*needs_vllm, pytest.mark.xdist_group("demo_server")]
 
     def client(self, served):
         import openai
@@ -251,6 +252,7 @@ class TestRealServer:
 
 @pytest.mark.vllm
 @pytest.mark.engine
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build, edge-cpu and openai; missing: {NEEDS}")
 @pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="two ranks need two cores")
