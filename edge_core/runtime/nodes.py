@@ -27,7 +27,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
@@ -124,9 +124,10 @@ class Lifeline:
     headless node shuts its workers down).
     """
 
-    def __init__(self, peers: dict[int, socket.socket], head: bool):
+    def __init__(self, peers: dict[int, socket.socket], head: bool, on_end: Callable[[], None] | None = None):
         self.peers = peers
         self.head = head
+        self.on_end = on_end or terminate_self
         self.ended: str | None = None
         self.lost: NodeError | None = None
         self._closing = False
@@ -170,7 +171,7 @@ class Lifeline:
 
     def _end(self, why: str, lost: NodeError | None) -> None:
         self.ended, self.lost = why, lost
-        os.kill(os.getpid(), signal.SIGTERM)  # the command's own stop path
+        self.on_end()
 
     def close(self, reason: str = "stopped") -> None:
         """Tell the other nodes this session is over (the head's ``stop``), then close every connection."""
@@ -184,6 +185,11 @@ class Lifeline:
             self._thread.join(2)
 
 
+def terminate_self() -> None:
+    """SIGTERM to this process: the stop path every command already has (drain, cancel, shut the workers down)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _reason(chunk: bytes) -> str:
     try:
         return str(json.loads(chunk.splitlines()[0]).get("reason") or "stopped")
@@ -192,7 +198,8 @@ def _reason(chunk: bytes) -> str:
 
 
 @contextlib.contextmanager
-def joined(plan: Plan, builds: dict[str, str], say: Any = None) -> Iterator[Lifeline | None]:
+def joined(plan: Plan, builds: dict[str, str], say: Any = None,
+           on_end: Callable[[], None] | None = None) -> Iterator[Lifeline | None]:
     """Inside: this node has met the others and they agree; the lifeline watches them. None for one node.
 
     The head (node 0) listens on :func:`link_port`, waits up to
@@ -200,7 +207,8 @@ def joined(plan: Plan, builds: dict[str, str], say: Any = None) -> Iterator[Life
     another node connects to the head (retrying while it is not up yet) and
     waits for its answer. Raises :class:`NodeError` (exit 2) for a mismatch
     or a node that never came, before any worker starts. Leaving tells the
-    other nodes to stop (the head) and closes the connections.
+    other nodes to stop (the head) and closes the connections. ``on_end`` is what the lifeline does when
+    the session ends from the other side (default: :func:`terminate_self`).
     """
     node = node_of(plan)
     if node is None:
@@ -209,7 +217,7 @@ def joined(plan: Plan, builds: dict[str, str], say: Any = None) -> Iterator[Life
     mine = descriptor(plan, builds)
     address = (node["master_addr"], link_port(node["master_port"]))
     peers = _gather(mine, address, node["nnodes"], say) if node["node_rank"] == 0 else _join(mine, address, say)
-    line = Lifeline(peers, head=node["node_rank"] == 0).watch()
+    line = Lifeline(peers, head=node["node_rank"] == 0, on_end=on_end).watch()
     try:
         yield line
     finally:
