@@ -134,22 +134,26 @@ class Lifeline:
         self._thread: threading.Thread | None = None
 
     def watch(self) -> Lifeline:
-        self._thread = threading.Thread(target=self._loop, name="edge-node-lifeline", daemon=True)
-        self._thread.start()
-        return self
-
-    def _loop(self) -> None:
         import selectors
 
         selector = selectors.DefaultSelector()
         for rank, sock in self.peers.items():
             sock.settimeout(None)
             selector.register(sock, selectors.EVENT_READ, rank)
+        self._thread = threading.Thread(target=self._loop, args=(selector,), name="edge-node-lifeline", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self, selector: Any) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a socket closed under the selector: this side is closing
+            self._watch(selector)
+
+    def _watch(self, selector: Any) -> None:
         while not self._closing:
             for key, _ in selector.select(timeout=0.5):
                 rank = key.data
                 try:
-                    chunk = key.fileobj.recv(4096)  # type: ignore[union-attr]
+                    chunk = key.fileobj.recv(4096)
                 except OSError:
                     chunk = b""
                 if self._closing:
