@@ -287,7 +287,7 @@ def joined_nodes(plan: Plan) -> Any:
     """Meet the session's other nodes (a no-op for one node); a node lost while inside is raised on leaving."""
     from ..runtime.nodes import joined
 
-    with joined(plan, builds_of(plan), say) as line:
+    with joined(plan, builds_of(plan), TerminalObserver().message) as line:
         yield line
     if line is not None and line.lost is not None:
         raise line.lost

