@@ -61,11 +61,11 @@ def run_headless(plan: Plan, registry: Registry, lifeline: Lifeline | None, *, o
     node_prep = prepare_stage(registry, plan, said)
     started = time.monotonic()
     executor: Any = None
-    before = set(children())
     stopped_by = None
     workers_ended = None
     ready_s = None
     reaper = SessionReaper().__enter__()
+    before = set(children())  # the reaper is not the engine's: it outlives the stop to check on it
     try:
         with TerminationAsInterrupt():
             try:
