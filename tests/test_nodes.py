@@ -126,3 +126,17 @@ def test_a_head_that_never_comes_is_a_named_timeout(monkeypatch):
     other.join(5)
     assert isinstance(other.error, NodeError) and other.error.code == "node_join_timeout"
     assert f"127.0.0.1:{link_port(port)}" in str(other.error)
+
+
+def test_a_head_that_dies_without_a_word_is_named_by_the_node():
+    port = free_master_port()
+    head, other = Node(node_plan(0, port), abrupt=True), Node(node_plan(1, port))
+    head.start()
+    other.start()
+    assert head.joined.wait(10) and other.joined.wait(10)
+    head.leave.set()
+    assert other.ended.wait(5)
+    assert other.line.lost.code == "head_lost"
+    other.leave.set()
+    other.join(5)
+    head.join(5)
