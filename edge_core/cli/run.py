@@ -308,7 +308,9 @@ def run_node(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: f
         record = run_headless(plan, registry, line, observer=TerminalObserver(), engine_log=engine_log)
     if not keep and engine_log.path is not None:
         engine_log.remove()
-    write_document({**record, "plan": plan.to_dict()}, kind, target)
+    if target:
+        write_document({**record, "plan": plan.to_dict()}, kind, target)
+        return EXIT_OK
     say(f"edge: node {record['node']['node_rank']} stopped by {record['stopped_by']} after "
         f"{record['timings']['lifetime_s']:.1f} s; "
         f"{'no process left' if not record['processes_left'] else 'processes left: ' + str(record['processes_left'])}")
