@@ -230,7 +230,9 @@ def admit(plan_once: Callable[[str, LedgerView | None, str | None], Plan], model
             if plan.admitted:
                 assert plan.peak is not None and plan.selected_device is not None
                 node = (plan.parallel or {}).get("node")
-                label = f"edge {args.command}" + (f" (node {node['node_rank']} of {node['nnodes']})" if node else "")
+                label = f"edge {args.command}" + (
+                    f" (node {node['node_rank']} of {node['nnodes']}, rank{'s' if len(node['ranks']) > 1 else ''} "
+                    f"{','.join(map(str, node['ranks']))})" if node else "")
                 taken.register(command=label, model=args.model or plan.model_path,
                                artifact_id=plan.manifest.artifact_id if plan.manifest else None,
                                device_ids=(plan.selected_device.device_id,), reserved_bytes=ledger_bytes(plan),
