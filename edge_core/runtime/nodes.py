@@ -309,8 +309,11 @@ def _join(mine: dict[str, Any], address: tuple[str, int], say: Any) -> dict[int,
         sock.close()
         raise NodeError("node_join_timeout", f"the head at {address[0]}:{address[1]} did not answer", EXIT_REFUSED) \
             from None
-    if answer is None or not answer.get("ok"):
+    if answer is None:
         sock.close()
-        code = str((answer or {}).get("code") or "node_mismatch")
-        raise NodeError(code, str((answer or {}).get("message") or "the head closed the connection"), EXIT_REFUSED)
+        raise NodeError("head_lost", f"the head at {address[0]}:{address[1]} closed the connection before the "
+                        "nodes agreed (stopped, refused or killed); nothing was started here", EXIT_REFUSED)
+    if not answer.get("ok"):
+        sock.close()
+        raise NodeError(str(answer.get("code") or "node_mismatch"), str(answer.get("message")), EXIT_REFUSED)
     return {0: sock}
