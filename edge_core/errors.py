@@ -57,7 +57,7 @@ class NodeError(EdgeError):
     """The nodes of one multi-node session could not agree or stay joined; ``code`` names what happened.
 
     ``node_mismatch`` and ``node_join_timeout`` come before any worker starts (exit 2, like a refusal);
-    ``node_lost`` and ``head_lost`` end a running session (exit 1).
+    ``node_lost`` and ``head_lost`` end a running session (exit 1; a head gone before the nodes agreed: 2).
     """
 
     def __init__(self, code: str, message: str, exit_code: int = EXIT_INTERNAL):
