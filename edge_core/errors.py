@@ -51,3 +51,17 @@ class PluginError(EdgeError):
 
 class StageError(EdgeError):
     """A running stage failed; the message names the backend and device."""
+
+
+class NodeError(EdgeError):
+    """The nodes of one multi-node session could not agree or stay joined; ``code`` names what happened.
+
+    ``node_mismatch`` and ``node_join_timeout`` come before any worker starts (exit 2, like a refusal);
+    ``node_lost`` and ``head_lost`` end a running session (exit 1; a head gone before the nodes agreed: 2).
+    """
+
+    def __init__(self, code: str, message: str, exit_code: int = EXIT_INTERNAL):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.exit_code = exit_code

@@ -65,6 +65,23 @@ def planning_options(parser: argparse.ArgumentParser, max_num_seqs: int = 1) -> 
     parser.add_argument("--distributed-executor-backend", choices=("mp", "ray"), metavar="{mp,ray}",
                         help="vLLM's executor: mp (its multiprocessing executor, across hosts in its multi-node "
                              "mode; the default) or ray (vLLM CUDA only: vLLM CPU has no Ray)")
+    nodes = parser.add_argument_group(
+        "more than one machine",
+        "Join this host to others on vLLM's multi-node executor: run the same command on every node with the "
+        "same layout and model, each with its own --node-rank. Each node plans its own ranks against its own "
+        "devices and refuses before anything starts; node 0 (the head) waits for the others, checks that "
+        "layout, model and build agree, then runs or serves; the other nodes run their ranks headless and "
+        "stop when the head stops. A node that goes away ends the session with node_lost.")
+    nodes.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
+                       help="how many nodes (hosts) run this session's ranks, an equal share each (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=0, metavar="R",
+                       help="this node's index, 0 to N-1; node 0 runs or serves, the others run their ranks "
+                            "headless (default 0)")
+    nodes.add_argument("--master-addr", metavar="HOST",
+                       help="node 0's address, reachable from every node (required with --nnodes > 1)")
+    nodes.add_argument("--master-port", type=positive_int, metavar="P",
+                       help="the port vLLM's workers meet on at node 0 (default 29501, vLLM's); edge's nodes "
+                            "check each other on P+1")
     parser.add_argument("--backend", metavar="NAME",
                         help="only this backend's devices: a plugin name from `edge plugins` (cpu, transformers, "
                              "...) or a device's backend (vllm:cpu)")
@@ -110,10 +127,27 @@ def _id_list(text: str) -> tuple[str, ...]:
 def parallel_from(args: argparse.Namespace) -> ParallelRequest:
     from ..plan.parallel import ParallelRequest
 
+    nnodes, node_rank = getattr(args, "nnodes", 1) or 1, getattr(args, "node_rank", 0) or 0
+    master_addr, master_port = getattr(args, "master_addr", None), getattr(args, "master_port", None)
+    if nnodes > 1:
+        if not 0 <= node_rank < nnodes:
+            raise UsageError(f"--node-rank {node_rank} is not a node of --nnodes {nnodes}; give 0 to {nnodes - 1}")
+        if not master_addr:
+            raise UsageError("--nnodes joins nodes at node 0's address: give --master-addr HOST (the same on "
+                             "every node)")
+        if len(getattr(args, "devices", None) or ()) > 1:
+            raise UsageError("--devices A.json --devices B.json plans every host from one place; --nnodes plans "
+                             "this node against its own devices: use one or the other")
+        if master_port is not None and master_port >= 65535:
+            raise UsageError(f"--master-port {master_port}: edge's nodes also use the next port; give one below 65535")
+    elif node_rank or master_addr or master_port:
+        raise UsageError("--node-rank, --master-addr and --master-port join nodes: give --nnodes N (more than 1) "
+                         "with them")
     return ParallelRequest(tp=getattr(args, "tensor_parallel_size", None),
                            pp=getattr(args, "pipeline_parallel_size", None),
                            device_ids=tuple(getattr(args, "device_ids", None) or ()),
-                           executor=getattr(args, "distributed_executor_backend", None))
+                           executor=getattr(args, "distributed_executor_backend", None),
+                           nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
 
 
 def session_from(args: argparse.Namespace) -> SessionSpec:
@@ -195,7 +229,11 @@ def admit(plan_once: Callable[[str, LedgerView | None, str | None], Plan], model
                 plan = replace(plan, source=downloaded)
             if plan.admitted:
                 assert plan.peak is not None and plan.selected_device is not None
-                taken.register(command=f"edge {args.command}", model=args.model or plan.model_path,
+                node = (plan.parallel or {}).get("node")
+                label = f"edge {args.command}" + (
+                    f" (node {node['node_rank']} of {node['nnodes']}, rank{'s' if len(node['ranks']) > 1 else ''} "
+                    f"{','.join(map(str, node['ranks']))})" if node else "")
+                taken.register(command=label, model=args.model or plan.model_path,
                                artifact_id=plan.manifest.artifact_id if plan.manifest else None,
                                device_ids=(plan.selected_device.device_id,), reserved_bytes=ledger_bytes(plan),
                                predicted_peak_bytes=plan.peak.predicted_bytes,
@@ -314,8 +352,14 @@ def parallel_lines(parallel: dict[str, Any] | None) -> list[str]:
         lines.append(f"  rank{'s' if len(held) > 1 else ' '}     {span} on {_span(ids)}: {budget}")
     if parallel.get("env"):
         lines.append("  env       " + " ".join(f"{k}={v}" for k, v in parallel["env"].items()))
+    node = parallel.get("node")
+    if node:
+        lines.append(f"  node      {node['node_rank']} of {node['nnodes']} ({'headless: runs its ranks' if node['headless'] else 'the head: runs or serves'}"
+                     f"), joined at {node['master_addr']}:{node['master_port']}; this plan is its ranks "
+                     f"{', '.join(map(str, node['ranks']))} only")
     for command in parallel.get("commands") or ():
-        lines.append(f"  on {command['host']}: {command['command']}")
+        where = f"node {command['node_rank']}" if "host" not in command else command["host"]
+        lines.append(f"  on {where}: {command['command']}")
     return lines
 
 

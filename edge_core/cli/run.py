@@ -264,6 +264,59 @@ def piped(stream: Any) -> bool:
     return stat.S_ISFIFO(mode) or stat.S_ISREG(mode)
 
 
+# ---------------------------------------------------------------- nodes of a --nnodes session
+
+def headless(args: argparse.Namespace) -> bool:
+    """True on a node past the head (``--nnodes N --node-rank R``, R > 0): it runs its ranks, headless."""
+    return (getattr(args, "nnodes", 1) or 1) > 1 and (getattr(args, "node_rank", 0) or 0) > 0
+
+
+def builds_of(plan: Plan) -> dict[str, str]:
+    """What the nodes of one session must run alike: the backend's runtime build and the stack's versions."""
+    from ..runtime.env import versions
+
+    out = {k: v for k, v in versions().items() if k != "python"}
+    extras = plan.selected_device.extras if plan.selected_device is not None else None
+    if isinstance(extras, dict) and extras.get("runtime"):
+        out["runtime"] = str(extras["runtime"])
+    return out
+
+
+@contextlib.contextmanager
+def joined_nodes(plan: Plan) -> Any:
+    """Meet the session's other nodes (a no-op for one node); a node lost while inside is raised on leaving."""
+    from ..runtime.nodes import joined
+
+    with joined(plan, builds_of(plan), TerminalObserver().message) as line:
+        yield line
+    if line is not None and line.lost is not None:
+        raise line.lost
+
+
+def run_node(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: float, kind: str) -> int:
+    """A node > 0 of any command: its ranks, headless, until the head stops (exit 0) or goes away (exit 1)."""
+    target = "-" if args.json is True else (args.json or None)
+    if not plan.admitted:
+        print_plan_beside(plan, plan_s, target, args.explain)
+        write_document({"outcome": "refused", "plan": plan.to_dict()}, kind, target)
+        return EXIT_REFUSED
+    from ..runtime.headless import run_headless
+
+    print_plan_beside(plan, plan_s, target, args.explain)
+    engine_log, keep = engine_log_from(args, kind)
+    with joined_nodes(plan) as line:
+        record = run_headless(plan, registry, line, observer=TerminalObserver(), engine_log=engine_log)
+    if not keep and engine_log.path is not None:
+        engine_log.remove()
+    if target:
+        write_document({**record, "plan": plan.to_dict()}, kind, target)
+        return EXIT_OK
+    say(f"edge: node {record['node']['node_rank']} stopped by {record['stopped_by']} after "
+        f"{record['timings']['lifetime_s']:.1f} s; "
+        f"{'no process left' if not record['processes_left'] else 'processes left: ' + str(record['processes_left'])}")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------- edge run
 
 def run_graph(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: float) -> int:
@@ -286,6 +339,8 @@ def run_graph(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: 
 
 def cmd_run(args: argparse.Namespace) -> int:
     plan, registry, plan_s = plan_here(args)
+    if headless(args):
+        return run_node(args, plan, registry, plan_s, "run")
     if isinstance(plan, GraphStagePlan) or (plan.manifest is not None and plan.manifest.kind == "onnx"):
         return run_graph(args, plan, registry, plan_s)
     prompt = prompt_from(args)
@@ -315,8 +370,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     engine_log, keep = engine_log_from(args, "run")
-    outcome = run_session(plan, registry, request, observer=TerminalObserver(), on_event=show,
-                          engine_log=engine_log, keep_log=keep)
+    with joined_nodes(plan):
+        outcome = run_session(plan, registry, request, observer=TerminalObserver(), on_event=show,
+                              engine_log=engine_log, keep_log=keep)
     if args.json:
         write_document(outcome.to_dict(plan, plan_s), "run")
     else:
@@ -350,6 +406,8 @@ def cmd_accept(args: argparse.Namespace) -> int:
     if not args.json:
         raise UsageError("edge accept writes its record with --json FILE ('-' for stdout); name a file")
     plan, registry, visible_s = plan_here(args)
+    if headless(args):
+        return run_node(args, plan, registry, visible_s, "accept")
     if not plan.admitted or plan.selected_device is None:
         print_plan_beside(plan, visible_s, args.json, args.explain)
         write_document({"outcome": "refused", "criteria": [{
@@ -361,8 +419,9 @@ def cmd_accept(args: argparse.Namespace) -> int:
     from ..runtime import run_acceptance
 
     engine_log, keep = engine_log_from(args, "accept")
-    document = run_acceptance(plan, registry, visible_s=visible_s, masked_plan=masked_plan, masked_s=masked_s,
-                              observer=TerminalObserver(), engine_log=engine_log, keep_log=keep)
+    with joined_nodes(plan):
+        document = run_acceptance(plan, registry, visible_s=visible_s, masked_plan=masked_plan, masked_s=masked_s,
+                                  observer=TerminalObserver(), engine_log=engine_log, keep_log=keep)
     write_document(document, "accept", args.json)
     for criterion in document["criteria"]:
         say(f"edge: {'PASS' if criterion['passed'] else 'FAIL'} {criterion['name']}: {criterion['detail']}")
@@ -378,6 +437,10 @@ def cmd_accept(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- edge parity
 
 def cmd_parity(args: argparse.Namespace) -> int:
+    if (getattr(args, "nnodes", 1) or 1) > 1:
+        raise UsageError("edge parity runs plain vLLM and then edge's stage, two engines one after the other; "
+                         "across nodes a headless node serves one engine's life: compare a joined run's token "
+                         "ids (`edge run --nnodes ... --json -`) with a one-node `edge run --json -` instead")
     plan, registry, plan_s = plan_here(args)
     if not plan.admitted:
         print_plan_beside(plan, plan_s, args.json, args.explain)

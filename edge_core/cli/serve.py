@@ -17,7 +17,7 @@ from ..plan import Refusal
 from ._common import mask_option, mib, plugin_options, positive_int, write_document
 from .plan import planning_options, print_plan
 from .progress import TerminalObserver, say
-from .run import engine_log_from, engine_log_options, plan_here, refused
+from .run import engine_log_from, engine_log_options, headless, joined_nodes, plan_here, refused, run_node
 
 #: Sequences decoded at once when serving, unless --max-num-seqs says otherwise: an editor, a chat UI
 #: and a script or two talk to one local server at a time. It sizes the KV pool (each sequence may
@@ -59,6 +59,8 @@ def add_serve_command(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     plan, registry, plan_s = plan_here(args)
+    if headless(args):
+        return run_node(args, plan, registry, plan_s, "serve")
     if not plan.admitted:
         return refused(args, plan, plan_s, "serve")
     device, manifest = plan.selected()
@@ -88,9 +90,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(manifest.path))
     engine_log, keep = engine_log_from(args, "serve")
     try:
-        record = serve_plan(plan, registry, host=args.host, port=args.port, served_model_name=name,
-                            api_key=args.api_key, drain_timeout_s=max(args.drain_timeout, 0.0),
-                            observer=TerminalObserver(), engine_log=engine_log, plan_document=document)
+        with joined_nodes(plan):
+            record = serve_plan(plan, registry, host=args.host, port=args.port, served_model_name=name,
+                                api_key=args.api_key, drain_timeout_s=max(args.drain_timeout, 0.0),
+                                observer=TerminalObserver(), engine_log=engine_log, plan_document=document)
     except UsageError:  # the address, before anything started: the log is still empty
         if not keep:
             engine_log.remove()

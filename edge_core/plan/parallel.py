@@ -575,15 +575,25 @@ class ParallelRequest:
     pp: int | None = None
     device_ids: tuple[str, ...] = ()
     executor: str | None = None
+    #: ``--nnodes``/``--node-rank``/``--master-addr``/``--master-port``: this host is node ``node_rank`` of
+    #: ``nnodes`` joined on vLLM's multi-node executor, and plans only its own ranks.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
 
     @property
     def pinned(self) -> bool:
-        """True when the user asked for more than one rank."""
-        return (self.tp or 1) * (self.pp or 1) > 1
+        """True when the user asked for more than one rank (or node)."""
+        return (self.tp or 1) * (self.pp or 1) > 1 or self.nnodes > 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
-                "device_ids": list(self.device_ids), "executor": self.executor}
+        out: dict[str, Any] = {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+                               "device_ids": list(self.device_ids), "executor": self.executor}
+        if self.nnodes > 1:
+            out.update(nnodes=self.nnodes, node_rank=self.node_rank, master_addr=self.master_addr,
+                       master_port=self.master_port or MASTER_PORT)
+        return out
 
 
 def groupable(device: Device) -> bool:
@@ -619,8 +629,12 @@ def _groups(devices: list[Device]) -> list[dict[str, list[Device]]]:
 
 def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manifest, session: SessionSpec,
                 host_facts: Mapping[str, HostFacts | None], registry: Registry | None, devices: list[Device],
-                ledger: LedgerView | None) -> _Attempt:
-    attempt = _Attempt(layout, layout_refusals(manifest, layout, max_ranks=rank_capacity(group, host_facts)))
+                ledger: LedgerView | None, node: int | None = None) -> _Attempt:
+    """Budget every rank of ``layout`` on ``group``; with ``node``, only that node's ranks, on the group's one host."""
+    capacity = rank_capacity(group, host_facts)
+    if node is not None and capacity is not None:
+        capacity *= layout.hosts  # every node is taken to be like this one; each checks its own
+    attempt = _Attempt(layout, layout_refusals(manifest, layout, max_ranks=capacity))
     if attempt.refusals:
         return attempt
     config = _text(manifest)
@@ -634,9 +648,11 @@ def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manife
     placed: dict[str, list[int]] = {}
     where: dict[int, Device] = {}
     for rank in range(layout.world_size):
-        node, local = divmod(rank, layout.ranks_per_host)  # vLLM's multi-node numbering
+        on, local = divmod(rank, layout.ranks_per_host)  # vLLM's multi-node numbering
+        if node is not None and on != node:
+            continue  # another node's rank: that node plans it against its own devices
         # vLLM CPU's ranks share their host's CPU, each bound to its own cores; a GPU runs one rank.
-        device = group[hosts[node]][0 if first.kind == "cpu" else local]
+        device = group[hosts[0 if node is not None else on]][0 if first.kind == "cpu" else local]
         placed.setdefault(device.device_id, []).append(rank)
         where[rank] = device
     by_id = {d.device_id: d for hosted in group.values() for d in hosted}
@@ -665,7 +681,7 @@ def _try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manife
                 rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, device_id=device_id, host=host_of(device),
                 layers=stages[pp_rank], weight_bytes=per_stage[pp_rank],
                 kv_cache_bytes=outcome.kv.bytes_vllm if outcome.kv is not None else 0))
-    if layout.hosts > 1:
+    if layout.hosts > 1 and node is None:  # joined nodes compare their builds when they meet (runtime.nodes)
         attempt.refusals.extend(_host_refusals(group, hosts))
     attempt.ranks.sort(key=lambda r: r.rank)
     return attempt
@@ -707,6 +723,8 @@ def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest,
     tried: list[_Attempt] = []
     best: _Attempt | None = None
     executor = request.executor or EXECUTOR_MP
+    if request.nnodes > 1:
+        return _plan_node(manifest, single, request, groups, facts, registry, devices, ledger, command_model)
     for group in groups:
         first = next(iter(group.values()))[0]
         if first.kind == "cpu" and request.device_ids and len(group) > 1:
@@ -735,6 +753,58 @@ def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest,
     return _refused(single, tried, request, [d for d in devices if groupable(d)])
 
 
+def _plan_node(manifest: Manifest, single: Plan, request: ParallelRequest, groups: list[dict[str, list[Device]]],
+               facts: Mapping[str, HostFacts | None], registry: Registry | None, devices: list[Device],
+               ledger: LedgerView | None, command_model: str | None) -> Plan:
+    """Node ``request.node_rank`` of ``request.nnodes``: this host's own ranks of the layout, on its own devices.
+
+    vLLM's multi-node numbering gives node ``i`` ranks ``i * k`` to ``(i + 1) * k - 1``, ``k`` the world
+    size over the nodes; the other nodes plan theirs where they run, and the head checks when they meet
+    that every node asked for the same layout, model and build (:mod:`edge_core.runtime.nodes`).
+    """
+    layout = Layout(request.tp or 1, request.pp or 1, request.nnodes, request.executor or EXECUTOR_MP)
+    refusals: list[Refusal] = []
+    if layout.executor != EXECUTOR_MP:
+        refusals.append(Refusal(
+            code="parallel_layout_invalid",
+            message=f"--nnodes joins nodes on vLLM's multiprocessing executor, not {layout.executor}",
+            remedy="leave out --distributed-executor-backend, or on a Ray cluster plan it from one host with a "
+                   "device list per host (--devices A.json --devices B.json --distributed-executor-backend ray)",
+            details={"dimension": "executor", "executor": layout.executor, "nnodes": request.nnodes}))
+    elif layout.world_size % request.nnodes:
+        refusals.append(Refusal(
+            code="parallel_layout_invalid",
+            message=f"{layout.world_size} rank{'s' if layout.world_size > 1 else ''} ({layout.label()}) cannot be "
+                    f"shared evenly by {request.nnodes} nodes (vLLM runs the same number of ranks on every node)",
+            remedy=f"make --tensor-parallel-size x --pipeline-parallel-size a multiple of {request.nnodes}, e.g. "
+                   f"--tensor-parallel-size {request.nnodes}",
+            details={"dimension": "nnodes", "nnodes": request.nnodes, "world_size": layout.world_size}))
+    tried: list[_Attempt] = []
+    if not refusals:
+        for group in groups:
+            group = dict(list(group.items())[:1])  # this host's devices: a node plans against its own
+            attempt = _try_layout(layout, group, manifest, single.session, facts, registry, devices, ledger,
+                                  node=request.node_rank)
+            tried.append(attempt)
+            if not attempt.refusals:
+                return _admitted(manifest, single, attempt, request, facts, command_model)
+    if refusals:
+        return replace(single, admitted=False, refusals=tuple(refusals))
+    return _refused(single, tried, request, [d for d in devices if groupable(d)])
+
+
+def node_edge_commands(request: ParallelRequest, layout: Layout, model: str, command: str = "serve") -> list[dict[str, Any]]:
+    """The ``edge`` command each node of a ``--nnodes`` session runs (node 0 serves; the others run headless)."""
+    port = request.master_port or MASTER_PORT
+    rows = []
+    for rank in range(request.nnodes):
+        rows.append({"node_rank": rank,
+                     "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
+                     "command": f"edge {command} --model {model} {layout.flags()} --nnodes {request.nnodes} "
+                                f"--node-rank {rank} --master-addr {request.master_addr} --master-port {port}"})
+    return rows
+
+
 def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: ParallelRequest,
               facts: Mapping[str, HostFacts | None], command_model: str | None) -> Plan:
     layout = attempt.layout
@@ -750,7 +820,11 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     kwargs["tensor_parallel_size"] = layout.tp
     kwargs["pipeline_parallel_size"] = layout.pp
     kwargs["distributed_executor_backend"] = layout.executor
-    if layout.hosts > 1 and layout.executor == EXECUTOR_MP:
+    joined = request.nnodes > 1
+    if joined:
+        kwargs.update(nnodes=request.nnodes, node_rank=request.node_rank, master_addr=request.master_addr,
+                      master_port=request.master_port or MASTER_PORT)
+    elif layout.hosts > 1 and layout.executor == EXECUTOR_MP:
         kwargs.update(nnodes=layout.hosts, node_rank=0, master_addr=attempt.hosts[0], master_port=MASTER_PORT)
     env: dict[str, str] = {}
     unpinned: str | None = None
@@ -773,10 +847,15 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
                      "capacity_bytes": o.capacity_bytes, "reservations": [t.to_dict() for t in o.reservations]}
                     for d, s, o in attempt.outcomes],
         "nnodes": layout.hosts,
-        "commands": node_commands(attempt.hosts, command_model or manifest.path, layout, _device_files(single),
-                                  kwargs, _node_env(device, layout, attempt.hosts, facts, env))
+        "commands": node_edge_commands(request, layout, command_model or manifest.path) if joined
+        else node_commands(attempt.hosts, command_model or manifest.path, layout, _device_files(single),
+                           kwargs, _node_env(device, layout, attempt.hosts, facts, env))
         if layout.hosts > 1 else [],
     }
+    if joined:
+        parallel["node"] = {"nnodes": request.nnodes, "node_rank": request.node_rank,
+                            "master_addr": request.master_addr, "master_port": request.master_port or MASTER_PORT,
+                            "ranks": [r.rank for r in attempt.ranks], "headless": request.node_rank > 0}
     chosen = {d.device_id: (s, o) for d, s, o in attempt.outcomes}
     verdicts = []
     for verdict in single.verdicts:
@@ -801,7 +880,8 @@ def _admitted(manifest: Manifest, single: Plan, attempt: _Attempt, request: Para
     notes = single.notes + notes_without_tensors + (
         f"{why}: {layout.label()} on {count} device{'s' if count > 1 else ''} ({layout.flags()}); the table is "
         "rank 0's device, `parallel` in --json has each",) + ((unpinned,) if unpinned else ()) + (
-        (CPU_VLLM_SCRIPT_NOTE,) if device.kind == "cpu" and layout.hosts > 1 and layout.executor == EXECUTOR_MP else ())
+        (CPU_VLLM_SCRIPT_NOTE,) if device.kind == "cpu" and layout.hosts > 1 and layout.executor == EXECUTOR_MP
+        and not joined else ())
     return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
                    peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
                    verdicts=tuple(verdicts), notes=notes, parallel=parallel, session=session,

@@ -113,3 +113,52 @@ def test_ray_is_refused_by_name_for_vllm_cpu(capsys, lists):
     assert code == 2
     [ray] = [r for r in doc["refusals"] if r["details"].get("dimension") == "executor"]
     assert "current platform cpu does not support ray" in ray["message"]
+
+
+# ------------------------------------------------ nodes joined with --nnodes: each plans its own ranks
+
+
+def _node(capsys, lists, rank: int, *args: str) -> tuple[int, dict]:
+    return _plan(capsys, "--devices", str(lists["here"]), "--nnodes", "2", "--node-rank", str(rank),
+                 "--master-addr", "10.0.0.1", "--master-port", "29600", *args)
+
+
+def test_a_joined_node_plans_only_its_own_ranks_with_the_one_host_terms_of_them(capsys, lists):
+    """Node R of ``--nnodes 2`` predicts for its rank what the plan from both lists predicts for that host."""
+    _, across = _plan(capsys, "--devices", str(lists["node-a"]), "--devices", str(lists["node-b"]),
+                      "--pipeline-parallel-size", "2", "--device-ids", "node-a/cpu,node-b/cpu")
+    for rank in (0, 1):
+        code, doc = _node(capsys, lists, rank, "--pipeline-parallel-size", "2")
+        assert code == 0, doc["refusals"]
+        par = doc["parallel"]
+        assert [r["rank"] for r in par["ranks"]] == [rank]
+        assert par["node"] == {"nnodes": 2, "node_rank": rank, "master_addr": "10.0.0.1", "master_port": 29600,
+                               "ranks": [rank], "headless": rank > 0}
+        kwargs = doc["engine_kwargs"]
+        assert (kwargs["nnodes"], kwargs["node_rank"], kwargs["master_addr"], kwargs["master_port"],
+                kwargs["distributed_executor_backend"]) == (2, rank, "10.0.0.1", 29600, "mp")
+        [row] = par["devices"]
+        assert _terms(row["reservations"]) == _terms(across["parallel"]["devices"][rank]["reservations"])
+        assert [c["node_rank"] for c in par["commands"]] == [0, 1]
+        assert "--node-rank 1 --master-addr 10.0.0.1 --master-port 29600" in par["commands"][1]["command"]
+        assert "ray" not in json.dumps(par).lower()
+
+
+def test_a_joined_node_refuses_by_name_what_it_cannot_run(capsys, lists):
+    code, doc = _node(capsys, lists, 1)  # one rank cannot be shared by two nodes
+    assert code == 2 and doc["refusals"][0]["details"]["dimension"] == "nnodes"
+    code, doc = _node(capsys, lists, 1, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
+    assert code == 2 and doc["refusals"][0]["details"]["dimension"] == "executor"
+    code, doc = _node(capsys, lists, 1, "--tensor-parallel-size", "6")  # 3 ranks on a node of 2 cores
+    assert code == 2
+    assert {r["details"].get("dimension") for r in doc["refusals"]} & {"cpu_cores", "attention_heads"}
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "--node-rank 2 is not a node"),
+    (["--nnodes", "2"], "give --master-addr"),
+    (["--node-rank", "1"], "give --nnodes"),
+])
+def test_node_flags_that_do_not_make_a_session_are_usage_errors(capsys, args, says):
+    assert main(["plan", "--model", str(DEMO_MODEL), *args]) == 64
+    assert says in capsys.readouterr().err

@@ -1,0 +1,319 @@
+"""How the nodes of one ``--nnodes`` session meet, agree, and stay joined.
+
+vLLM's multi-node executor joins nodes through ``torch.distributed`` at
+``master_addr:master_port`` once their workers start, and it checks nothing
+else: nodes started with another layout or another model hang there or fail
+deep inside a worker, and a headless node outlives its head
+(docs/vllm-cpu-facts.md#more-than-one-machine). So before any worker starts,
+edge's own nodes meet on a side channel, one TCP port above vLLM's
+(:func:`link_port`): each node > 0 connects to the head and sends a small JSON
+descriptor (:func:`descriptor`: layout, model artifact id, builds); the head
+waits for every node, compares, and answers each ``ok`` or a named
+``node_mismatch``. The connection then stays open as the session's lifeline:
+the head says ``stop`` when it stops, and either side that sees the other's
+end of it close (a crash, ``kill -9``) ends its own session with ``node_lost``
+or ``head_lost`` (:class:`Lifeline`).
+
+One JSON object per line, UTF-8, on a plain TCP connection: the nodes of a
+session trust each other as vLLM's do (the workers' own channels are plain too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from .._version import __version__
+from ..errors import EXIT_REFUSED, NodeError, UsageError
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+#: Seconds the head waits for every other node to join, and a node for the head to answer.
+JOIN_TIMEOUT_S = 300.0
+#: Seconds between a node's attempts to reach a head that is not listening yet.
+RETRY_S = 0.5
+#: Longest descriptor or message line accepted (bytes).
+MAX_LINE = 65536
+#: The descriptor fields every node must share with the head (compared in this order).
+AGREED = ("protocol", "nnodes", "tensor_parallel_size", "pipeline_parallel_size", "master_port", "artifact_id",
+          "backend", "builds", "engine")
+#: Engine arguments that may differ between nodes: their own rank, and bytes each node sizes for itself.
+NODE_OWN_KWARGS = ("node_rank", "model", "gpu_memory_utilization", "master_addr")
+#: The descriptor's format; a node of another edge with another format is named as a mismatch.
+PROTOCOL = 1
+
+
+def link_port(master_port: int) -> int:
+    """The side channel's port: the one above vLLM's ``master_port``."""
+    return master_port + 1
+
+
+def node_of(plan: Plan) -> dict[str, Any] | None:
+    """The plan's ``parallel.node`` (None for a one-node plan)."""
+    return (plan.parallel or {}).get("node")
+
+
+def descriptor(plan: Plan, builds: dict[str, str]) -> dict[str, Any]:
+    """What this node tells the others: what it runs, and with which build."""
+    node = node_of(plan)
+    assert node is not None and plan.manifest is not None
+    kwargs = plan.engine_kwargs
+    return {
+        "protocol": PROTOCOL, "edge": __version__, "node_rank": node["node_rank"], "nnodes": node["nnodes"],
+        "host": socket.gethostname(), "pid": os.getpid(),
+        "tensor_parallel_size": kwargs.get("tensor_parallel_size"),
+        "pipeline_parallel_size": kwargs.get("pipeline_parallel_size"), "master_port": node["master_port"],
+        "artifact_id": plan.manifest.artifact_id, "backend": plan.backend, "builds": builds,
+        "engine": {k: v for k, v in sorted(kwargs.items()) if k not in NODE_OWN_KWARGS},
+    }
+
+
+def disagreement(head: dict[str, Any], other: dict[str, Any]) -> str | None:
+    """What ``other`` disagrees with the head about, in words; None when they agree."""
+    for key in AGREED:
+        if head.get(key) != other.get(key):
+            if isinstance(head.get(key), dict) and isinstance(other.get(key), dict):
+                names = sorted(k for k in set(head[key]) | set(other[key]) if head[key].get(k) != other[key].get(k))
+                rows = "; ".join(f"{k}: head {head[key].get(k)!r}, node {other[key].get(k)!r}" for k in names)
+                return f"{key} differs ({rows})"
+            return f"{key} differs (head {head.get(key)!r}, node {other.get(key)!r})"
+    return None
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(message, default=str).encode() + b"\n")
+
+
+def _read_line(sock: socket.socket, deadline: float) -> dict[str, Any] | None:
+    """One JSON line, None at end of stream; NodeError on garbage or past ``deadline``."""
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(min(left, 1.0))
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            continue
+        if not chunk:
+            return None
+        data += chunk
+        if len(data) > MAX_LINE:
+            raise ValueError("line too long")
+    message = json.loads(data)
+    if not isinstance(message, dict):
+        raise ValueError("not an object")
+    return message
+
+
+class Lifeline:
+    """The open connections of a joined session; :meth:`watch` ends this process's session when one closes.
+
+    ``ended`` says why (``node_lost: ...`` / ``head_lost: ...``, or a stop the
+    head announced); ending means SIGTERM to this process, which every
+    command already takes as its stop (a server drains, a run cancels, a
+    headless node shuts its workers down).
+    """
+
+    def __init__(self, peers: dict[int, socket.socket], head: bool, on_end: Callable[[], None] | None = None):
+        self.peers = peers
+        self.head = head
+        self.on_end = on_end or terminate_self
+        self.ended: str | None = None
+        self.lost: NodeError | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self) -> Lifeline:
+        import selectors
+
+        selector = selectors.DefaultSelector()
+        for rank, sock in self.peers.items():
+            sock.settimeout(None)
+            selector.register(sock, selectors.EVENT_READ, rank)
+        self._thread = threading.Thread(target=self._loop, args=(selector,), name="edge-node-lifeline", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self, selector: Any) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a socket closed under the selector: this side is closing
+            self._watch(selector)
+
+    def _watch(self, selector: Any) -> None:
+        while not self._closing:
+            for key, _ in selector.select(timeout=0.5):
+                rank = key.data
+                try:
+                    chunk = key.fileobj.recv(4096)
+                except OSError:
+                    chunk = b""
+                if self._closing:
+                    return
+                if b'"stop"' in chunk and not self.head:
+                    self._end(f"the head stopped ({_reason(chunk)})", None)
+                    return
+                if not chunk:
+                    if self.head:
+                        self._end(f"node {rank} went away", NodeError(
+                            "node_lost", f"node {rank} of this session closed its connection to the head (its edge "
+                                         "process ended: stopped, crashed or killed); the session cannot go on "
+                                         "without its ranks; start that node again, then this one"))
+                    else:
+                        self._end("the head went away", NodeError(
+                            "head_lost", "node 0 (the head) closed its connection without a stop (its edge "
+                                         "process ended: crashed or killed); this node's ranks are stopped"))
+                    return
+
+    def _end(self, why: str, lost: NodeError | None) -> None:
+        self.ended, self.lost = why, lost
+        self.on_end()
+
+    def close(self, reason: str = "stopped") -> None:
+        """Tell the other nodes this session is over (the head's ``stop``), then close every connection."""
+        self._closing = True
+        for sock in self.peers.values():
+            with contextlib.suppress(OSError):
+                if self.head:
+                    _send(sock, {"event": "stop", "reason": reason})
+                sock.close()
+        if self._thread is not None:
+            self._thread.join(2)
+
+
+def terminate_self() -> None:
+    """SIGTERM to this process: the stop path every command already has (drain, cancel, shut the workers down)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _reason(chunk: bytes) -> str:
+    try:
+        return str(json.loads(chunk.splitlines()[0]).get("reason") or "stopped")
+    except (ValueError, IndexError, AttributeError):
+        return "stopped"
+
+
+@contextlib.contextmanager
+def joined(plan: Plan, builds: dict[str, str], say: Any = None,
+           on_end: Callable[[], None] | None = None) -> Iterator[Lifeline | None]:
+    """Inside: this node has met the others and they agree; the lifeline watches them. None for one node.
+
+    The head (node 0) listens on :func:`link_port`, waits up to
+    :data:`JOIN_TIMEOUT_S` for every other node and checks each descriptor;
+    another node connects to the head (retrying while it is not up yet) and
+    waits for its answer. Raises :class:`NodeError` (exit 2) for a mismatch
+    or a node that never came, before any worker starts. Leaving tells the
+    other nodes to stop (the head) and closes the connections. ``on_end`` is what the lifeline does when
+    the session ends from the other side (default: :func:`terminate_self`).
+    """
+    node = node_of(plan)
+    if node is None:
+        yield None
+        return
+    mine = descriptor(plan, builds)
+    address = (node["master_addr"], link_port(node["master_port"]))
+    peers = _gather(mine, address, node["nnodes"], say) if node["node_rank"] == 0 else _join(mine, address, say)
+    line = Lifeline(peers, head=node["node_rank"] == 0, on_end=on_end).watch()
+    try:
+        yield line
+    finally:
+        line.close("the head stopped" if line.head else "stopped")
+
+
+def _gather(mine: dict[str, Any], address: tuple[str, int], nnodes: int, say: Any) -> dict[int, socket.socket]:
+    try:
+        listener = socket.create_server(address, reuse_port=False)
+    except OSError as exc:
+        raise UsageError(f"the head cannot listen on {address[0]}:{address[1]} for its nodes ({exc.strerror or exc}); "
+                         "--master-addr must be an address of this host, and --master-port P needs P+1 free too") from None
+    if say is not None:
+        say(f"node 0 of {nnodes}: waiting for {nnodes - 1} other node{'s' if nnodes > 2 else ''} at "
+            f"{address[0]}:{address[1]} (up to {JOIN_TIMEOUT_S:.0f} s)")
+    peers: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while len(peers) < nnodes - 1:
+            listener.settimeout(max(min(deadline - time.monotonic(), 1.0), 0.01))
+            try:
+                sock, where = listener.accept()
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    missing = sorted(set(range(1, nnodes)) - set(peers))
+                    raise NodeError("node_join_timeout", f"node{'s' if len(missing) > 1 else ''} "
+                                    f"{', '.join(map(str, missing))} did not join within {JOIN_TIMEOUT_S:.0f} s at "
+                                    f"{address[0]}:{address[1]}; start `edge ... --node-rank R` on each",
+                                    EXIT_REFUSED) from None
+                continue
+            try:
+                theirs = _read_line(sock, time.monotonic() + 10)
+            except (TimeoutError, ValueError, OSError):
+                sock.close()  # not one of ours: a port scan, a stray client
+                continue
+            if theirs is None:
+                sock.close()
+                continue
+            rank = theirs.get("node_rank")
+            problem = disagreement(mine, theirs)
+            if problem is None and (not isinstance(rank, int) or not 0 < rank < nnodes or rank in peers):
+                problem = f"node rank {rank!r} is not free (taken, or not 1 to {nnodes - 1})"
+            if problem is not None:
+                error = NodeError("node_mismatch", f"node {rank} ({theirs.get('host')}, {where[0]}) does not run "
+                                  f"what the head runs: {problem}; start every node with the same model, "
+                                  "layout and edge backend build", EXIT_REFUSED)
+                for other in (sock, *peers.values()):
+                    with contextlib.suppress(OSError):
+                        _send(other, {"ok": False, "code": error.code, "message": error.message})
+                        other.close()
+                raise error
+            peers[int(rank)] = sock  # type: ignore[arg-type]  # checked above
+            if say is not None:
+                say(f"node {rank} joined from {theirs.get('host')} ({where[0]}): layout, model and build agree")
+        for sock in peers.values():
+            _send(sock, {"ok": True})
+    except BaseException:
+        for sock in peers.values():
+            with contextlib.suppress(OSError):
+                sock.close()
+        raise
+    finally:
+        listener.close()
+    return peers
+
+
+def _join(mine: dict[str, Any], address: tuple[str, int], say: Any) -> dict[int, socket.socket]:
+    if say is not None:
+        say(f"node {mine['node_rank']} of {mine['nnodes']}: joining the head at {address[0]}:{address[1]}")
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while True:
+        try:
+            sock = socket.create_connection(address, timeout=5)
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise NodeError("node_join_timeout", f"no head answered at {address[0]}:{address[1]} within "
+                                f"{JOIN_TIMEOUT_S:.0f} s; start node 0 with the same --master-addr and "
+                                "--master-port", EXIT_REFUSED) from None
+            time.sleep(RETRY_S)
+    try:
+        _send(sock, mine)
+        answer = _read_line(sock, deadline)
+    except (TimeoutError, ValueError, OSError):
+        sock.close()
+        raise NodeError("node_join_timeout", f"the head at {address[0]}:{address[1]} did not answer", EXIT_REFUSED) \
+            from None
+    if answer is None:
+        sock.close()
+        raise NodeError("head_lost", f"the head at {address[0]}:{address[1]} closed the connection before the "
+                        "nodes agreed (stopped, refused or killed); nothing was started here", EXIT_REFUSED)
+    if not answer.get("ok"):
+        sock.close()
+        raise NodeError(str(answer.get("code") or "node_mismatch"), str(answer.get("message")), EXIT_REFUSED)
+    return {0: sock}

