@@ -86,3 +86,29 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("engine") is not None and item.get_closest_marker("xdist_group") is None:
             scope = item.nodeid.split("::")[0] + (f"::{item.cls.__name__}" if item.cls is not None else "")
             item.add_marker(pytest.mark.xdist_group(scope))
+
+
+def _accept(tmp, *layout: str):
+    import json
+    import subprocess
+
+    record = tmp / "accept.json"
+    env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp / "ledger")}
+    proc = subprocess.run([sys.executable, "-m", "edge_core", "accept", *layout, "--json", str(record)],
+                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL, env=env)
+    assert record.exists(), proc.stderr[-3000:]
+    return proc, json.loads(record.read_text())
+
+
+@pytest.fixture(scope="session")
+def demo_accept(tmp_path_factory):
+    """One ``edge accept`` on the demo: (the finished process, its record). Read by tests/test_run.py and, for
+    the one-rank tokens of its first prompt, tests/test_nodes_engine.py."""
+    return _accept(tmp_path_factory.mktemp("accept"))
+
+
+@pytest.fixture(scope="session")
+def tp2_accept(tmp_path_factory):
+    """One TP 2 ``edge accept`` on the demo, read by tests/test_parallel_run.py (its record holds a run's plan,
+    stage and memory) and tests/test_nodes_engine.py (one node's TP 2 tokens)."""
+    return _accept(tmp_path_factory.mktemp("accept-tp2"), "--tensor-parallel-size", "2")

@@ -2,7 +2,9 @@
 
 Two edge processes, each limited to one core (``taskset -c 0`` / ``-c 1``), loopback master address,
 TP 2 across them: ``edge serve --nnodes 2 --node-rank 0`` answers ``/v1/completions`` with the greedy
-token ids of a one-node run of the same layout; SIGTERM to the head ends both nodes; ``kill -9`` of node
+token ids of a one-node run of the same layout (and of one rank): the suite's TP 2 and one-rank acceptance
+runs (conftest's ``tp2_accept``, ``demo_accept``) give those for the same prompt, greedy and ``ignore_eos``,
+so a prefix of theirs is what eight tokens must be. SIGTERM to the head ends both nodes; ``kill -9`` of node
 1's edge process ends the head with ``node_lost``. Each pair is one engine start shared by its checks.
 """
 
@@ -26,17 +28,21 @@ from typing import Any
 import psutil
 import pytest
 
+from edge_core.runtime import PROMPTS
+
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.engine,
+    pytest.mark.alone,
     pytest.mark.slow,
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
     pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset to give each node its own core"),
     pytest.mark.skipif(not {0, 1} <= set(os.sched_getaffinity(0)), reason="needs CPUs 0 and 1 (one per node)"),
 ]
 
-PROMPT = "The capital of France is"
+#: The acceptance runs' first prompt, so their records hold the one-node tokens to compare with.
+PROMPT = PROMPTS[0]
 TOKENS = 8
 #: Seconds a pair may take to serve (two engine starts on a shared 2-core machine).
 READY_TIMEOUT_S = 600
@@ -137,13 +143,11 @@ def complete(url: str) -> dict[str, Any]:
         return json.loads(answer.read())
 
 
-def one_node(tp: int, tmp: Path) -> list[int]:
-    env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp / "ledger")}
-    proc = subprocess.run([sys.executable, "-m", "edge_core", "run", "--json", "--tensor-parallel-size", str(tp),
-                           "--max-model-len", "512", "--max-tokens", str(TOKENS), "--ignore-eos", "--prompt", PROMPT],
-                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return list(json.loads(proc.stdout)["token_ids"])
+def first_tokens(accept: tuple[Any, dict[str, Any]]) -> list[int]:
+    """The first TOKENS ids an acceptance run generated for PROMPT (greedy: a longer run's prefix)."""
+    _, record = accept
+    assert record["prompts"][0]["prompt"] == PROMPT, record["prompts"][0]
+    return list(record["prompts"][0]["token_ids"][:TOKENS])
 
 
 @pytest.fixture(scope="module")
@@ -160,12 +164,12 @@ def served(tmp_path_factory) -> Iterator[tuple[Pair, dict[str, Any]]]:
                 proc.kill()
 
 
-def test_two_nodes_serve_the_greedy_tokens_of_one_node(served, tmp_path):
+def test_two_nodes_serve_the_greedy_tokens_of_one_node(served, tp2_accept, demo_accept):
     pair, answer = served
     ids = answer["choices"][0].get("token_ids")
     assert ids is not None and len(ids) == TOKENS, answer
-    assert ids == one_node(2, tmp_path), "two joined nodes differ from one node at TP 2"
-    assert ids == one_node(1, tmp_path), "two joined nodes differ from one rank"
+    assert ids == first_tokens(tp2_accept), "two joined nodes differ from one node at TP 2"
+    assert ids == first_tokens(demo_accept), "two joined nodes differ from one rank"
     print(f"pair ready in {pair.ready_s:.1f} s")
 
 

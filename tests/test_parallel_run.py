@@ -4,7 +4,8 @@ Two ranks on this host's cores (``VLLM_CPU_OMP_THREADS_BIND="0|1"`` on a
 2-core machine; vLLM's default binding asserts without NUMA nodes), each
 with the plan's per-rank KV pool; the run's measured peak is checked against
 the plan that budgets both rank processes, and nothing is left running.
-One acceptance run's record serves the run checks and the acceptance checks;
+One acceptance run's record (conftest's ``tp2_accept``, which the two-node test
+reads too) serves the run checks and the acceptance checks;
 `edge run` with TP 2 is tests/test_run.py's Ctrl-C test, parametrized.
 """
 
@@ -30,19 +31,6 @@ pytestmark = [
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
     pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="two ranks need two cores"),
 ]
-
-
-@pytest.fixture(scope="module")
-def tp2_accept(tmp_path_factory):
-    """One TP 2 acceptance run, read by the tests below (its record holds a run's plan, stage and memory)."""
-    tmp = tmp_path_factory.mktemp("accept-tp2")
-    record = tmp / "accept.json"
-    env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp / "ledger")}
-    proc = subprocess.run([sys.executable, "-m", "edge_core", "accept", "--tensor-parallel-size", "2",
-                           "--json", str(record)], capture_output=True, text=True, timeout=900,
-                          stdin=subprocess.DEVNULL, env=env)
-    assert record.exists(), proc.stderr[-3000:]
-    return proc, json.loads(record.read_text())
 
 
 def test_tp2_runs_on_vllm_cpu_with_per_rank_kv_and_leaves_nothing_running(tp2_accept):
