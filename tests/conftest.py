@@ -80,12 +80,17 @@ def demo_run(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under xdist (``--dist loadgroup``), the engine tests of one module or class stay on one worker: they share
-    the engine a module- or class-scoped fixture started. A test that names its own group keeps it."""
+    """Under xdist (``--dist loadgroup``), engine tests that share an engine a module- or class-scoped fixture
+    started stay on one worker; the others spread freely. A test that names its own group keeps it."""
     for item in items:
-        if item.get_closest_marker("engine") is not None and item.get_closest_marker("xdist_group") is None:
-            scope = item.nodeid.split("::")[0] + (f"::{item.cls.__name__}" if item.cls is not None else "")
-            item.add_marker(pytest.mark.xdist_group(scope))
+        if item.get_closest_marker("engine") is None or item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        scopes = {d.scope for defs in (info.name2fixturedefs.values() if info else ()) for d in defs}
+        if "module" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        elif "class" in scopes and item.cls is not None:
+            item.add_marker(pytest.mark.xdist_group(f"{item.nodeid.split('::')[0]}::{item.cls.__name__}"))
 
 
 def _accept(tmp, *layout: str):

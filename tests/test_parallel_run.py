@@ -5,8 +5,8 @@ Two ranks on this host's cores (``VLLM_CPU_OMP_THREADS_BIND="0|1"`` on a
 with the plan's per-rank KV pool; the run's measured peak is checked against
 the plan that budgets both rank processes, and nothing is left running.
 One acceptance run's record (conftest's ``tp2_accept``, which the two-node test
-reads too) serves the run checks and the acceptance checks;
-`edge run` with TP 2 is tests/test_run.py's Ctrl-C test, parametrized.
+reads too) serves the run checks and the acceptance checks (a cancel among
+them); a TP 2 engine stopped by SIGINT is tests/test_serve.py's TP 2 server.
 """
 
 from __future__ import annotations

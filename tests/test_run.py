@@ -186,13 +186,11 @@ class TestRealEngine:
         assert "predicted session peak" in budget and "tree-PSS peak" in budget and "(bounds)" in budget
         assert "starting vllm:cpu on cpu" in done.stderr  # progress went to stderr, not stdout
 
-    @pytest.mark.parametrize("layout", [(), pytest.param(("--tensor-parallel-size", "2"), marks=pytest.mark.alone)],
-                             ids=["one-device", "tp2"])
-    def test_ctrl_c_cancels_cleanly_with_exit_130(self, layout):
-        if layout and (psutil.cpu_count() or 1) < 2:
-            pytest.skip("two ranks need two cores")
+    def test_ctrl_c_cancels_cleanly_with_exit_130(self):
+        # One rank. Two ranks stopped by SIGINT, every rank reaped: tests/test_serve.py's TP 2 server; the
+        # cancel of a TP 2 run's request: the TP 2 acceptance run's criterion (tests/test_parallel_run.py).
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_core", "run", *layout, "--max-tokens", "1900", "--ignore-eos",
+            [sys.executable, "-m", "edge_core", "run", "--max-tokens", "1900", "--ignore-eos",
              "--prompt", "Hello"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -208,8 +206,7 @@ class TestRealEngine:
                 assert chunk, "stdout closed before any token"
                 seen += chunk
             stage_pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-            ranks = 2 if layout else 1
-            assert len(stage_pids) >= 1 + ranks  # the engine core and a worker per rank (and edge's reaper)
+            assert len(stage_pids) >= 2  # the engine core and the worker (and edge's reaper)
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
             out, err = proc.communicate(timeout=180)
         finally:
