@@ -132,9 +132,9 @@ def test_run_refusal_as_json_names_the_reason():
         [refusal] = refusals
         assert refusal["code"] == "kernel_unsupported" and refusal["details"]["head_dim"] == 16
         assert "head_dim=16" in refusal["message"]
-    else:  # the core alone: no backend, so no device to run anything on
-        assert [r["code"] for r in refusals] == ["no_runnable_device"]
-        assert "no device was found" in refusals[0]["message"]
+    else:  # the core alone: no backend, so nothing could run it, and the refusal says what to install
+        assert [r["code"] for r in refusals] == ["no_backend_installed"]
+        assert "no edge backend is installed" in refusals[0]["message"] and "edge-cpu" in refusals[0]["remedy"]
 
 
 def test_accept_needs_a_json_target():
