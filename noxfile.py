@@ -99,6 +99,12 @@ def _pip_find_links() -> str | None:
 if "UV_FIND_LINKS" not in os.environ and (_links := _pip_find_links()):
     os.environ["UV_FIND_LINKS"] = _links
 
+# The session venvs keep the bytecode Python compiles on first import (uv, unlike pip, compiles none at
+# install). Where PYTHONDONTWRITEBYTECODE is set, every engine start would otherwise compile torch, vLLM and
+# transformers again in each of its three processes: measured 2-3x slower engine tests
+# (docs/benchmarks.md#the-test-suite). An empty value is Python's "not set".
+os.environ["PYTHONDONTWRITEBYTECODE"] = ""
+
 
 def _timed(func: Callable[[nox.Session], None]) -> Callable[[nox.Session], None]:
     """Append the session's wall time and its pytest counts to TIMES, passed or failed."""
