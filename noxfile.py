@@ -78,10 +78,12 @@ NO_DEPS = {"cuda", "dml", "vitisai"}
 STAND_INS = {"dml": ("onnx>=1.16", "onnxruntime"), "vitisai": ("onnx>=1.16", "onnxruntime")}
 
 #: Two workers where a session runs many short tests (measured: docs/benchmarks.md#the-test-suite).
-#: ``loadgroup``: tests marked ``xdist_group`` (those sharing one server) stay on one worker.
-XDIST = ("-n", "2", "--dist", "loadgroup")
-#: tests/conftest.py holds each xdist worker to one usable core when this is set (engine tests two at a time).
-ENGINE_PAIRS = {"EDGE_TEST_PIN_WORKERS": "1"}
+XDIST = ("-n", "2")
+#: Engine tests two at a time: tests/conftest.py holds each xdist worker to one usable core, and ``loadgroup``
+#: keeps the tests that read one engine (``xdist_group``, set in conftest) on one worker. Only here: it hands
+#: out one test at a time, which costs the hermetic sessions' many short tests seconds.
+ENGINE_PAIRS = ("--dist", "loadgroup")
+ENGINE_PAIRS_ENV = {"EDGE_TEST_PIN_WORKERS": "1"}
 
 
 def _pip_find_links() -> str | None:
@@ -173,12 +175,13 @@ def _install_plugin(session: nox.Session, name: str) -> None:
 
 
 def _pytest(session: nox.Session, *paths: str, marks: str | None = None, workers: bool = False,
-            env: dict[str, str] | None = None) -> None:
+            extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
     """Run pytest from a temporary directory, so the tests import the installed wheels, not the checkout."""
     reports = WORK / "reports"
     reports.mkdir(parents=True, exist_ok=True)
     report = reports / f"{session.name}-{len(list(reports.glob(f'{session.name}-*.xml')))}.xml"
     args = [str(ROOT / p) for p in paths] + (["-m", marks] if marks else []) + (list(XDIST) if workers else [])
+    args += list(extra)
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
                 f"--junitxml={report}", *args, *session.posargs, env=env)
 
@@ -239,7 +242,7 @@ def _plugin_session(name: str) -> Callable[[nox.Session], None]:
             # so two engines at a time, each on a core of its own (ENGINE_PAIRS); then, one at a time, the
             # ones that need the machine to themselves (the `alone` mark).
             _pytest(session, "tests", "plugins/edge_cpu/tests", marks="engine and not alone", workers=True,
-                    env=ENGINE_PAIRS)
+                    extra=ENGINE_PAIRS, env=ENGINE_PAIRS_ENV)
             _pytest(session, "tests", "plugins/edge_cpu/tests", marks="engine and alone")
         _smoke(session)
 
