@@ -53,11 +53,11 @@ def llama8b(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def demo_server(tmp_path_factory):
+def demo_server():
     """The suite's one ``edge serve`` on the demo (tests/servers.py): ``demo_server.ready()`` is a running one."""
     from servers import SharedServer
 
-    shared = SharedServer(tmp_path_factory)
+    shared = SharedServer()
     try:
         yield shared
     finally:
@@ -65,18 +65,22 @@ def demo_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory):
+def demo_run():
     """One ``edge run`` on the demo asking more tokens than its 128-token context holds, its logs in a private
     tmp: (the finished process, that tmp). Read by tests/test_run.py and tests/test_newcomer.py."""
+    import shutil
     import subprocess
 
-    tmp = tmp_path_factory.mktemp("run")
+    from servers import short_tmp
+
+    tmp = short_tmp("edge-run-")  # vLLM's ZMQ sockets go under TMPDIR: pytest's nested paths can be too long
     proc = subprocess.run(
         [sys.executable, "-m", "edge_core", "run", "--max-model-len", "128", "--max-tokens", "500", "--ignore-eos",
          "--prompt", "The gateway box"],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
         env={**os.environ, "EDGE_PROBE_TIMEOUT_S": "5", "TMPDIR": str(tmp)})
-    return proc, tmp
+    yield proc, tmp
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,10 +10,12 @@ A test that stops the shared server leaves the next user a fresh one.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -66,20 +68,26 @@ def post(url: str, body: bytes, key: str | None = KEY) -> int:
         return exc.code
 
 
+def short_tmp(prefix: str) -> Path:
+    """A private folder directly under the system's temporary directory, for an engine's ``TMPDIR``: vLLM puts
+    its ZMQ sockets there, and a socket path longer than 107 bytes fails (pytest's nested tmp paths can be)."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
 class Server:
     """One ``edge serve`` process on the demo, in a session of its own so a signal reaches only it.
 
-    Its engine log is the default one, in a private folder under ``tmp`` (``TMPDIR``), so a clean stop can
-    be checked to remove it.
+    Its engine log is the default one, in a private folder under its own ``TMPDIR`` (:func:`short_tmp`), so a
+    clean stop can be checked to remove it.
     """
 
-    def __init__(self, tmp: Path, *extra: str):
+    def __init__(self, *extra: str):
         self.port = free_port()
-        self.tmp = tmp
+        self.tmp = short_tmp("edge-serve-")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edge_core", "serve", "--port", str(self.port), "--drain-timeout", "3", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
+            env={**os.environ, "TMPDIR": str(self.tmp)}, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property
@@ -120,20 +128,23 @@ class Server:
             self.proc.kill()
             self.proc.communicate()
 
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
 
 class SharedServer:
     """The suite's one demo server, started on first use and again only after a test stopped it."""
 
-    def __init__(self, tmp_factory) -> None:
-        self._tmp_factory = tmp_factory
-        self._server: Server | None = None
+    def __init__(self) -> None:
+        self._servers: list[Server] = []
 
     def ready(self) -> Server:
-        if self._server is None or not self._server.running():
-            self._server = Server(self._tmp_factory.mktemp("demo-serve"), "--api-key", KEY)
-            self._server.wait_ready()
-        return self._server
+        if not self._servers or not self._servers[-1].running():
+            self._servers.append(Server("--api-key", KEY))
+            self._servers[-1].wait_ready()
+        return self._servers[-1]
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.kill()
+        for server in self._servers:
+            server.close()

@@ -256,10 +256,10 @@ class TestRealServer:
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build, edge-cpu and openai; missing: {NEEDS}")
 @pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="two ranks need two cores")
-def test_a_tp2_server_answers_and_sigint_exits_130_reaping_every_rank_with_a_json_summary(tmp_path):
+def test_a_tp2_server_answers_and_sigint_exits_130_reaping_every_rank_with_a_json_summary():
     # One engine for two behaviours: a TP 2 server answers, and Ctrl-C (SIGINT) stops it with 130 and a record.
     # SIGTERM's exit 0 is TestRealServer's last test.
-    server = Server(tmp_path, "--json", "--tensor-parallel-size", "2")
+    server = Server("--json", "--tensor-parallel-size", "2")
     try:
         server.wait_ready()
         tree = server.tree()
@@ -274,7 +274,7 @@ def test_a_tp2_server_answers_and_sigint_exits_130_reaping_every_rank_with_a_jso
             completion = json.loads(answer.read())
         code, out, err = server.stop(signal.SIGINT)
     finally:
-        server.kill()
+        server.close()
     assert completion["usage"]["completion_tokens"] == 8
     assert code == 130, err[-3000:]
     record = json.loads(out)
