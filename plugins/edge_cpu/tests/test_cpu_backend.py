@@ -431,7 +431,8 @@ def test_hook_reserve_memory_adds_a_worker_per_extra_rank(tp, pp, extra):
     assert workers.bytes == extra * _memory.EXTRA_RANK_WORKER_BYTES and workers.bytes >= extra * 430 * MIB
     assert workers.held_during_load and workers.lifetime == "session" and workers.pool == "host_ram"
     assert workers.evidence == "E" and f"{extra} more vLLM CPU worker" in workers.note
-    assert terms["runtime_baseline"].bytes == int(1.53 * GIB)  # the front end, engine core and first worker, once
+    # the front end, engine core and first worker, once; at least the 1,467 MiB read (docs/benchmarks.md)
+    assert terms["runtime_baseline"].bytes == _memory.RUNTIME_BASELINE_BYTES >= 1467 * MIB
 
 
 def test_one_rank_or_no_share_runs_no_extra_worker():
