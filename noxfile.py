@@ -34,6 +34,7 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -277,7 +278,8 @@ def all_backends(session: nox.Session) -> None:
     for name in PLUGINS:
         _install_plugin(session, name)
     # edge-cuda's gates against vLLM's CUDA wheel's own functions (torch is here, edge-cpu's; no GPU needed).
-    session.run("bash", str(ROOT / "scripts" / "fetch_vllm_cuda_wheel.sh"), external=True)
+    session.run("bash", str(ROOT / "scripts" / "fetch_vllm_cuda_wheel.sh"), external=True,
+                env={"EDGE_FETCH_PYTHON": sys.executable})
     _to_tmp(session)
     # The engine tests ran in `nox -s cpu` against the same wheels; here the question
     # is whether four backends coexist and every runtime the suite can use is present.

@@ -13,7 +13,8 @@ if [ -f "$target/vllm/platforms/cuda.py" ] && [ -f "$target/vllm/_C_stable_libto
   echo "$target"; exit 0
 fi
 mkdir -p "$cache"
-python3 -m pip download -q --no-deps "vllm==$version" -d "$cache"
+# pip from EDGE_FETCH_PYTHON when set (nox hands its own interpreter: a uv-made session venv has no pip).
+"${EDGE_FETCH_PYTHON:-python3}" -m pip download -q --no-deps "vllm==$version" -d "$cache"
 wheel=$(ls "$cache"/vllm-"$version"-*x86_64.whl | head -n 1)
 rm -rf "$target.partial" && mkdir -p "$target.partial"
 python3 - "$wheel" "$target.partial" <<'PY'

@@ -222,6 +222,7 @@ class TestRealEngine:
             time.sleep(0.2)
         assert not [p for p in stage_pids if psutil.pid_exists(p)]
 
+    @pytest.mark.alone  # two engines decoding 1,536 tokens each: on one core beside another engine, twice as long
     def test_parity_on_the_demo_is_token_for_token(self, tmp_path):
         record = tmp_path / "parity.json"
         done = _edge("parity", "--json", str(record))
