@@ -17,8 +17,9 @@ read what is installed (``tests/test_cli.py``) and a CLI smoke; ``cpu`` also
 runs every ``engine`` test, the only ones ``all`` leaves out: two at a time on
 two xdist workers, each held to one core (an engine start is mostly one core
 importing), then, one at a time, those marked ``alone`` (they check measured
-memory against the prediction, use every core, or plan from the host's free
-memory).
+memory within a band, use every core, plan from the host's free memory, or
+decode long enough that sharing a core would double them: pyproject.toml
+says which).
 
 Every package is built into a wheel once per nox run and every session installs
 that wheel (never editable), so a missing file in a package's manifest fails
