@@ -25,8 +25,43 @@ from typing import Any
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome-stable", "google-chrome")
 
 
-def find_chromium() -> str | None:
+#: .ci/run installs chromium in the background while the first sessions run, holding a lock on this file
+#: until the install has ended, so a page test waits for it instead of skipping.
+INSTALL_LOCK = os.environ.get("EDGE_CHROMIUM_INSTALL_LOCK", "")
+
+
+def find_chromium(*, wait: bool = False) -> str | None:
+    """The browser's path, or None; with ``wait``, looked up once a pending install has ended."""
+    if wait and install_pending():
+        with open(INSTALL_LOCK) as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)  # blocks while .ci/run's install holds it
     return next((path for path in map(shutil.which, CANDIDATES) if path), None)
+
+
+def install_pending() -> bool:
+    """Whether .ci/run's background install of the browser is still running."""
+    if not INSTALL_LOCK or not os.path.exists(INSTALL_LOCK):
+        return False
+    with open(INSTALL_LOCK) as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+    return False
+
+
+def chromium_or_skip() -> str:
+    """The browser for a test that needs one, after any pending install; skips (saying why) without one."""
+    import pytest
+
+    path = find_chromium(wait=True)
+    if path is None:
+        pytest.skip(NO_BROWSER)
+    return path
+
+
+NO_BROWSER = ("no headless browser: Debian's chromium package is not installed "
+              "(apt-get install chromium; .ci/run installs it where it can)")
 
 
 class Browser:

@@ -135,3 +135,33 @@ def test_the_edge_executable_is_main_then_a_frozen_collector():
             "print(code, before, gc.get_freeze_count() > 1000, file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stderr.split()[-3:] == ["0", "0", "True"], done.stderr
+
+
+def test_after_a_runtime_was_imported_the_executable_exits_without_tearing_down_modules(tmp_path):
+    # A command that imported torch/vLLM ends by exit_now: what the interpreter's shutdown does that
+    # matters still happens (a non-daemon thread finishes, atexit handlers run, the result is flushed,
+    # the exit code is main's), and what it would do last, freeing the modules' objects, does not.
+    marker = tmp_path / "thread-finished"
+    code = f"""
+import atexit, sys, threading, time, types
+sys.modules["vllm"] = types.ModuleType("vllm")  # what an engine command has imported by now
+class Noisy:
+    def __del__(self):
+        print("module teardown ran", file=sys.stderr)
+kept = Noisy()
+def late_writer():
+    time.sleep(0.3)
+    open({str(marker)!r}, "w").write("done")
+threading.Thread(target=late_writer).start()
+atexit.register(lambda: print("atexit ran", file=sys.stderr))
+from edge_core.cli import console_main
+sys.argv = ["edge", "plugins", "--json"]
+console_main()
+print("console_main returned", file=sys.stderr)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["schema_version"], done.stdout
+    assert marker.read_text() == "done"
+    assert "atexit ran" in done.stderr
+    assert "module teardown ran" not in done.stderr and "console_main returned" not in done.stderr

@@ -20,19 +20,19 @@ import time
 from pathlib import Path
 
 import pytest
-from browser import Browser, find_chromium
+from browser import NO_BROWSER, Browser, chromium_or_skip, find_chromium, install_pending
 from servers import KEY, get, post
 
 from edge_core.artifact import DEMO_MODEL
 
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
-CHROMIUM = find_chromium()
+#: Present, or being installed by .ci/run (the tests then wait for it: chromium_or_skip).
+BROWSER_EXPECTED = find_chromium() is not None or install_pending()
 pytestmark = [
     pytest.mark.engine, pytest.mark.slow, pytest.mark.vllm,
     pytest.mark.xdist_group("demo_server"),  # on one xdist worker with tests/test_serve.py's server tests
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
-    pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: Debian's chromium package is not installed "
-                                                "(apt-get install chromium; .ci/run installs it where it can)"),
+    pytest.mark.skipif(not BROWSER_EXPECTED, reason=NO_BROWSER),
 ]
 MIB = 1 << 20
 #: The page polls every 2 s (live.js POLL_MS); a chart with this many points has seen several polls.
@@ -78,8 +78,7 @@ def server(demo_server):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    assert CHROMIUM is not None
-    chromium = Browser(CHROMIUM, tmp_path_factory.mktemp("chromium"))
+    chromium = Browser(chromium_or_skip(), tmp_path_factory.mktemp("chromium"))
     try:
         yield chromium
     finally:

@@ -15,18 +15,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from browser import Browser, find_chromium
+from browser import NO_BROWSER, Browser, chromium_or_skip, find_chromium, install_pending
 
 from edge_core.artifact import DEMO_MODEL
 from edge_core.cli import main
 from edge_core.documents import enveloped
 from edge_core.page import PAGE_PATH, live_page
 
-CHROMIUM = find_chromium()
+#: Present, or being installed by .ci/run (the tests then wait for it: chromium_or_skip).
+BROWSER_EXPECTED = find_chromium() is not None or install_pending()
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: Debian's chromium package is not installed "
-                                                "(apt-get install chromium; .ci/run installs it where it can)"),
+    pytest.mark.skipif(not BROWSER_EXPECTED, reason=NO_BROWSER),
 ]
 DATA = Path(__file__).parent / "data"
 MIB = 1 << 20
@@ -103,7 +103,7 @@ def scripted(capsys, monkeypatch):
 
 def test_the_page_marks_the_first_reading_over_the_prediction_and_reads_vllms_metrics(scripted, tmp_path):
     script, url = scripted
-    browser = Browser(CHROMIUM, tmp_path / "profile")
+    browser = Browser(chromium_or_skip(), tmp_path / "profile")
     try:
         browser.navigate(f"{url}{PAGE_PATH}")
         deadline = time.monotonic() + 30

@@ -10,11 +10,14 @@ versioned schema (docs/json.md). One module per group of commands:
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .._version import __version__
 from ..documents import SCHEMA_VERSION
@@ -102,17 +105,44 @@ UNFREEZABLE_MODULES = ("torch", "triton", "vllm", "onnxruntime")
 def console_main() -> int:
     """The ``edge`` executable (and ``python -m edge_core``): :func:`main`, after which the process ends.
 
-    The interpreter's shutdown then runs its cyclic collector over every
-    object still tracked (~23,000 after a plan), to find nothing worth
-    finalizing: ~20 ms of a 0.14 s ``edge plan`` on the 2-core VM of
-    docs/benchmarks.md. Freezing them first skips that walk; atexit handlers,
-    thread joins, the flushing of stdout and stderr and the freeing of
-    module state still run. Only where no runtime was imported
-    (:data:`UNFREEZABLE_MODULES`): the commands that load an engine take
-    seconds anyway, and their native bindings need that last collection.
+    Two ways to end, both skipping work that finds nothing to do:
+
+    * no runtime imported (``devices``, ``plan``, ...): the interpreter's
+      shutdown would walk every object still tracked (~23,000 after a plan,
+      ~20 ms of a 0.14 s ``edge plan``) for nothing worth finalizing, so they
+      are frozen first; the rest of the shutdown runs as usual.
+    * a runtime imported (:data:`UNFREEZABLE_MODULES`: ``run``, ``serve``,
+      ``accept``, ``parity``): tearing down torch and vLLM's modules took
+      2.3 s after the result was printed (docs/benchmarks.md, "Exit after the
+      result"). :func:`exit_now` runs what that shutdown does that matters
+      (threads joined, atexit handlers, streams flushed) and ends the process.
+
     Not in :func:`main`, which tests call in-process.
     """
     code = main()
-    if not any(name in sys.modules for name in UNFREEZABLE_MODULES):
-        gc.freeze()
+    if any(name in sys.modules for name in UNFREEZABLE_MODULES):
+        exit_now(code)
+    gc.freeze()
     return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process the way the interpreter would, without tearing down its modules.
+
+    Non-daemon threads are joined and the atexit handlers run (multiprocessing's
+    reaping of its children, ``weakref.finalize`` clean-ups such as temporary
+    folders, logging's flush), then stdout and stderr are flushed and the process
+    exits with ``code``. What is skipped is freeing each module's objects one by
+    one, which an exiting process's kernel does at once.
+    """
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to say
+            pass
+    os._exit(code)
