@@ -1,7 +1,7 @@
 """Can this exported graph run as one stage here, on which device, with how many bytes?
 
 iGPUs and NPUs execute exported graphs one stage at a time, never a whole
-decode session (SPEC section 4). :func:`plan_graph_stage` (reached from
+decode session. :func:`plan_graph_stage` (reached from
 ``make_plan`` when the artifact is an ``.onnx`` graph) walks the devices that
 execute graphs through the gates *reachable* (a device that exists but no
 interpreter here drives it is ``device_unreachable_from_this_process``, naming
@@ -64,9 +64,8 @@ NUMERIC_TOLERANCE = {
 DEFAULT_NUMERIC_TOLERANCE = 8e-2
 
 #: What ``import onnxruntime`` plus one CPU-provider session cost in the
-#: process, before weights: 31 MiB PSS measured (onnxruntime 1.32, this
-#: project's CI machine; 20 MiB import, 11 MiB session and thread pools),
-#: rounded up (E). A device's EP library (DirectML, VitisAI) comes on top
+#: process, before weights, rounded up (E; docs/vllm-cpu-facts.md, "ONNX
+#: Runtime on the CPU provider"). A device's EP library (DirectML, VitisAI) comes on top
 #: through its backend's ``reserve_memory``.
 ORT_RUNTIME_BASELINE_BYTES = 48 * MIB
 #: Floor of the activation arena: the first run of the demo stages grew PSS by

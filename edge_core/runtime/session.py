@@ -54,12 +54,10 @@ if TYPE_CHECKING:
     from .measure import MemoryReport
 
 #: Which budget bounds which counter. The predicted peak is a forecast of the
-#: tree's PSS. Two counters are reported but not checked: tree RSS counts
-#: shared library pages once per process (measured 0.39-0.43 GiB above PSS for
-#: vLLM CPU's 4 processes), and host available memory moves with every process
-#: on the host (measured: a 2.23 GiB drop during an acceptance run whose tree
-#: PSS rose 1.34 GiB, while other jobs ran on the machine). NVML's used bytes
-#: are the whole card's; on a GPU the session is what fills it.
+#: tree's PSS. Tree RSS (shared pages counted once per process) and host
+#: available memory (moved by every process on the host) are reported, not
+#: checked; see docs/vllm-cpu-facts.md, "Counters the budget does not bound".
+#: NVML's used bytes are the whole card's; on a GPU the session is what fills it.
 COVERED_COUNTERS = {
     "host_ram": {"tree_pss": "predicted"},
     "vram": {"device": "predicted"},
@@ -247,7 +245,7 @@ def stage_info(stage: Any) -> dict[str, Any]:
 
 
 def memory_record(plan: Plan, report: MemoryReport) -> dict[str, Any]:
-    """Budget against measurement, one entry per counter, never summed (SPEC section 9)."""
+    """Budget against measurement, one entry per counter, never summed."""
     assert plan.peak is not None and plan.selected_device is not None
     peak = plan.peak
     budgets = {"predicted": peak.predicted_bytes}
