@@ -187,10 +187,10 @@ def test_a_plan_that_fits_only_without_another_session_names_it(llama8b):
 
 
 RACER = textwrap.dedent("""
-    import argparse, json, os, sys, time
+    import json, os, sys, time
     from pathlib import Path
     sys.path.insert(0, {tests!r})
-    from edge_core.cli.plan import admit
+    from edge_core.runtime.admission import admit
     from edge_core.devices import load_device_list
     from edge_core.host import HostFacts
     from edge_core.plan import SessionSpec, make_plan
@@ -203,7 +203,7 @@ RACER = textwrap.dedent("""
                          devices_source="file", ledger=ledger)
     while not Path({go!r}).exists():
         time.sleep(0.001)
-    plan = admit(plan_once, {model!r}, None, argparse.Namespace(command="run", model={model!r}, wait={wait}), None)
+    plan = admit(plan_once, {model!r}, None, command="run", requested_model={model!r}, wait_s={wait})
     print(json.dumps({{"admitted": plan.admitted, "codes": [r.code for r in plan.refusals]}}), flush=True)
     time.sleep({hold})
 """)

@@ -1,9 +1,9 @@
 """``edge plan``: read the model, walk every device through the gates, print the plan.
 
-Parse -> :func:`edge_core.plan.make_plan` -> render. Also the planning
-options every command that takes a model shares (``run``, ``serve``,
-``accept``, ``parity``), and :func:`plan_from_args`, which they all plan through. Nothing
-here imports a runtime.
+Parse -> :func:`edge_core.runtime.admission.plan_model` -> render. Also the
+planning options every command that takes a model shares (``run``, ``serve``,
+``accept``, ``parity``), and :func:`plan_from_args`, which they all plan
+through. Nothing here imports a runtime engine.
 
 A refused device that reached the budget arithmetic shows its budget: one
 compact line on a refused plan, or with ``--explain`` its whole reservation
@@ -13,24 +13,19 @@ table, peak against capacity, and KV line (on any plan).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..artifact import DEMO_MODEL
-from ..errors import EXIT_OK, EXIT_REFUSED, ArtifactError, UsageError
-from ..plan import ExecutionMode, Plan, Refusal, SessionSpec
-from ..registry import Registry, discover
+from ..errors import EXIT_OK, EXIT_REFUSED, UsageError
+from ..plan import ExecutionMode, Plan, SessionSpec
+from ..registry import Registry
 from ._common import common_options, mask_from, mask_option, mib, positive_int, registry_from, write_document
 
 if TYPE_CHECKING:
-    from ..artifact.hub import ModelSource
     from ..budget import Peak, Reservation
-    from ..host_ledger import LedgerView
     from ..plan import DeviceVerdict, KVEstimate
     from ..plan.parallel import ParallelRequest
 
@@ -159,117 +154,29 @@ def session_from(args: argparse.Namespace) -> SessionSpec:
 
 def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
                    fetch_weights: bool = False, count_others: bool = True) -> tuple[Plan, Registry]:
-    """Plan for ``args.model`` against this interpreter's devices, or a saved device list.
+    """Plan for ``args.model`` against this interpreter's devices, or saved device lists.
 
-    Every plan counts what the other live edge sessions on this host hold
-    (:mod:`edge_core.host_ledger`). With ``fetch_weights`` (commands that start
-    an engine) the plan is also an admission: made under the ledger's lock and,
-    if admitted, registered there before the lock is released, so two sessions
-    started together cannot both take the last free bytes; ``--wait`` retries
-    while the only obstacle is another session's memory. Before that, an
-    admitted plan of a Hub model whose weights are not in the Hugging Face cache
-    downloads them (after checking the disk), so the engine starts on local
-    files and never touches the network itself. A refused plan downloads nothing.
-    ``count_others=False`` plans without the ledger (a second layout planned
-    inside a session the ledger already holds, for ``edge parity``).
+    The arguments as a :class:`~edge_core.runtime.admission.PlanRequest` for
+    :func:`~edge_core.runtime.admission.plan_model` (``fetch_weights``: a
+    command that starts an engine, so the plan is also an admission;
+    ``count_others=False``: planned without the host ledger).
     """
-    # The planner is imported here, not with the module: `edge devices` builds this parser too.
-    from ..artifact.hub import looks_like_hub_id
-    from ..plan import make_plan, only_backend
-    from ..plan.planner import load_device_sets
+    # Imported here, not with the module: `edge devices` builds this parser too.
+    from ..runtime.admission import PlanRequest, find_devices, plan_model
 
-    model = args.model or str(DEMO_MODEL)
     registry = registry_from(args)
     mask = mask_from(args) if mask is None else mask
-    hosts: dict[str, Any] = {}
-    if args.devices:
-        host, devices, hosts = load_device_sets(list(args.devices), registry, mask)
-        source = "file:" + ",".join(args.devices)
-    else:
-        host, devices = discover(registry, mask)
-        source = "probed"
-    for warning in registry.warnings:  # as `edge plugins` and `edge devices` say them
-        print(f"edge: warning: {warning}", file=sys.stderr)
-    devices = only_backend(devices, getattr(args, "backend", None), registry)
-    revision = getattr(args, "revision", None)
-
-    def plan_once(path: str, ledger: LedgerView | None, rev: str | None) -> Plan:
-        return make_plan(path, session=session_from(args), devices=devices, host=host, registry=registry,
-                         devices_source=source, digest_weights=args.digest_weights, revision=rev, ledger=ledger,
-                         parallel=parallel_from(args), hosts=hosts)
-
-    if not fetch_weights:
-        return plan_once(model, ledger_view() if count_others else None, revision), registry
-    downloaded = None
-    if looks_like_hub_id(model) and not os.path.lexists(model):
-        # Plan from the headers first: a refused model downloads nothing, an admitted one its weights.
-        plan = plan_once(model, ledger_view(), revision)
-        if not plan.admitted:
-            return plan, registry
-        if plan.source is not None and not plan.source.weights_present:
-            fetched = fetch_model(plan)
-            if isinstance(fetched, Plan):
-                return fetched, registry
-            downloaded = fetched
-    return admit(plan_once, downloaded.path if downloaded else model, None if downloaded else revision, args,
-                 downloaded), registry
+    found = find_devices(registry, mask, tuple(args.devices or ()), getattr(args, "backend", None), _say)
+    request = PlanRequest(model=args.model or str(DEMO_MODEL), session=session_from(args),
+                          parallel=parallel_from(args), revision=getattr(args, "revision", None),
+                          digest_weights=args.digest_weights, command=getattr(args, "command", "plan"),
+                          requested_model=args.model, wait_s=float(getattr(args, "wait", 0) or 0))
+    return plan_model(request, found, registry, fetch_weights=fetch_weights, count_others=count_others,
+                      say=_say), registry
 
 
-def admit(plan_once: Callable[[str, LedgerView | None, str | None], Plan], model: str, revision: str | None, args: argparse.Namespace,
-          downloaded: ModelSource | None) -> Plan:
-    """Plan under the host ledger's lock and register an admitted plan; wait up to ``--wait`` s for other sessions."""
-    from ..host_ledger import admission
-    from ..plan.ledger import ledger_bytes
-
-    deadline = time.monotonic() + float(getattr(args, "wait", 0) or 0)
-    while True:
-        with admission() as taken:
-            plan = plan_once(model, taken.view, revision)
-            if downloaded is not None:
-                plan = replace(plan, source=downloaded)
-            if plan.admitted:
-                assert plan.peak is not None and plan.selected_device is not None
-                node = (plan.parallel or {}).get("node")
-                label = f"edge {args.command}" + (
-                    f" (node {node['node_rank']} of {node['nnodes']}, rank{'s' if len(node['ranks']) > 1 else ''} "
-                    f"{','.join(map(str, node['ranks']))})" if node else "")
-                taken.register(command=label, model=args.model or plan.model_path,
-                               artifact_id=plan.manifest.artifact_id if plan.manifest else None,
-                               device_ids=(plan.selected_device.device_id,), reserved_bytes=ledger_bytes(plan),
-                               predicted_peak_bytes=plan.peak.predicted_bytes,
-                               headroom_bytes=plan.peak.headroom_bytes)
-                return plan
-        waiting = {r.code for r in plan.refusals} == {"device_committed"}
-        if not waiting or time.monotonic() >= deadline:
-            return plan
-        time.sleep(1.0)
-
-
-def ledger_view() -> LedgerView | None:
-    """The other live sessions on this host; None (with a warning) when the ledger cannot be trusted."""
-    from ..host_ledger import read_ledger
-
-    try:
-        view = read_ledger()
-    except UsageError as exc:
-        print(f"edge: warning: {exc}; planning without the other sessions' reservations", file=sys.stderr)
-        return None
-    for warning in view.warnings:
-        print(f"edge: warning: session ledger: {warning}", file=sys.stderr)
-    return view
-
-
-def fetch_model(plan: Plan) -> ModelSource | Plan:
-    """Download an admitted Hub plan's weights into the Hugging Face cache; a refused plan if that cannot be done."""
-    from ..artifact.hub import download
-
-    assert plan.source is not None
-    print(f"edge: {plan.source.describe()}; downloading the weights into the Hugging Face cache", file=sys.stderr)
-    try:
-        return download(plan.source)
-    except ArtifactError as exc:
-        return replace(plan, admitted=False, refusals=(Refusal(code=exc.code, message=str(exc), remedy=exc.remedy),),
-                       selected_device=None, reservations=(), peak=None, capacity_bytes=None, engine_kwargs={})
+def _say(text: str) -> None:
+    print(f"edge: {text}", file=sys.stderr)
 
 
 def reservation_lines(terms: tuple[Reservation, ...], indent: str = "  ") -> list[str]:

@@ -33,7 +33,8 @@ from .types import (
 
 if TYPE_CHECKING:
     from .capacity import capacity_of
-    from .checkpoint import DEFAULT_MAX_NUM_BATCHED_TOKENS, candidate_order, engine_kwargs_for, resolve_session
+    from .checkpoint import DEFAULT_MAX_NUM_BATCHED_TOKENS, engine_kwargs_for, resolve_session
+    from .gates import candidate_order
     from .graph_stage import executes_graphs, plan_graph_stage
     from .kv import KVEstimate, estimate_kv, kv_layout, max_model_len_for
     from .planner import load_devices, make_plan, only_backend
@@ -71,7 +72,7 @@ __all__ = [
 
 __getattr__ = lazy_exports(__name__, {
     "capacity_of": ".capacity",
-    "DEFAULT_MAX_NUM_BATCHED_TOKENS": ".checkpoint", "candidate_order": ".checkpoint",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS": ".checkpoint", "candidate_order": ".gates",
     "engine_kwargs_for": ".checkpoint", "resolve_session": ".checkpoint",
     "executes_graphs": ".graph_stage", "plan_graph_stage": ".graph_stage",
     "KVEstimate": ".kv", "estimate_kv": ".kv", "kv_layout": ".kv", "max_model_len_for": ".kv",

@@ -3,9 +3,10 @@
 The candidates are walked in a fixed order (private pool before shared, then
 larger) through the gates: runnable, whole-session placement, weight format,
 the backend's own gates (kernels, the runtime's own capacity check), and
-capacity. The first device that passes every gate is selected; the others are
-reported with why they were not used, and those that also pass are pre-approved
-fallbacks. No remedy is ever applied silently.
+capacity (the pipeline of :mod:`.gates`). The first device that passes every
+gate is selected; the others are reported with why they were not used, and
+those that also pass are pre-approved fallbacks. No remedy is ever applied
+silently.
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..budget import peak as combine
 from ..errors import ArtifactError, UsageError
 from ..registry import SKIPPED, install_hint
-from .capacity import capacity_of
 from .execution import execution_mode, with_mode
+from .gates import Judgement, Owner, Walk, backend_budget, budget_gates, format_gate, walk
 from .kv import estimate_kv
-from .ledger import committed_refusal, pool_key, with_holders
-from .remedies import capacity_refusal, format_refusal, shorter_context_fallbacks
-from .terms import core_reservations, headroom_reservations
+from .remedies import capacity_refusal, shorter_context_fallbacks
+from .terms import core_reservations
 from .types import STAGE_ONLY_KINDS, DeviceVerdict, ExecutionMode, Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
@@ -65,11 +64,6 @@ class DeviceOutcome:
         return DeviceVerdict(device_id, selected, self.refusals, note=note, gate=self.gate,
                              reservations=self.reservations, peak=self.peak, kv=self.kv,
                              capacity_bytes=self.capacity_bytes)
-
-
-def candidate_order(devices: list[Device]) -> list[Device]:
-    """Private pool before shared pool, then larger. Not a performance ranking."""
-    return sorted(devices, key=lambda d: (d.memory_pool != "vram", -d.memory_bytes, d.device_id))
 
 
 def resolve_session(manifest: Manifest, session: SessionSpec) -> SessionSpec:
@@ -150,10 +144,8 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
     device is planned against its own host's memory, ``host`` when it has no
     label there.
     """
-    model_path = manifest.path
-
     def refused(refusals: list[Refusal], **extra: Any) -> Plan:
-        return Plan(admitted=False, model_path=model_path, session=session, refusals=tuple(refusals),
+        return Plan(admitted=False, model_path=manifest.path, session=session, refusals=tuple(refusals),
                     devices_source=devices_source, manifest=manifest, **extra)
 
     plugins = registry.plugins() if registry is not None else []
@@ -162,85 +154,72 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
                                 remedy="pip install edge-cpu (or edge-cuda for NVIDIA GPUs) in this venv")])
     try:
         session = resolve_session(manifest, session)
-    except ArtifactError as exc:
+        record = walk(devices, lambda device: _judge(device, manifest, session, _host_of(device, host, hosts),
+                                                     registry, devices, ledger))
+    except ArtifactError as exc:  # the config lacks what the KV arithmetic needs: no device can help
         return refused([Refusal(code=exc.code, message=str(exc), remedy=exc.remedy)])
-
-    notes: list[str] = []
-    verdicts: list[DeviceVerdict] = []
-    selected: tuple[Device, DeviceOutcome] | None = None
-    fallbacks: list[dict[str, Any]] = []
-    all_refusals: list[Refusal] = []
-    for device in candidate_order(devices):
-        if device.masked:
-            verdicts.append(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy",
-                                          gate="masked"))
-            continue
-        if not device.runnable:
-            verdicts.append(DeviceVerdict(device.device_id, False, note=f"not runnable here: {device.reason}",
-                                          gate="runnable"))
-            continue
-        if device.kind in STAGE_ONLY_KINDS:
-            refusal = Refusal(
-                code="no_exported_graph", device_id=device.device_id,
-                message=(f"{device.device_id} executes exported graphs one stage at a time, never a whole "
-                         "autoregressive session"),
-                remedy=("export a stage of this model to ONNX (scripts/export_stage.py) and plan it with "
-                        "`edge plan --model STAGE.onnx`"),
-            )
-            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,), gate="placement"))
-            all_refusals.append(refusal)
-            continue
-        try:
-            outcome = plan_on_device(device, manifest, session, _host_of(device, host, hosts), registry, devices,
-                                     ledger)
-        except ArtifactError as exc:  # the config lacks what the KV arithmetic needs: no device can help
-            return refused([Refusal(code=exc.code, message=str(exc), remedy=exc.remedy)])
-        notes.extend(outcome.notes)
-        if outcome.refusals:
-            all_refusals.extend(outcome.refusals)
-            verdicts.append(outcome.verdict(device.device_id))
-            fallbacks.extend(shorter_context_fallbacks(device, list(outcome.refusals)))
-            continue
-        if selected is None:
-            selected = (device, outcome)
-            verdicts.append(outcome.verdict(device.device_id, selected=True))
-        else:
-            fallbacks.append({"kind": "device", "device_id": device.device_id, "backend": device.backend,
-                              "approved": True, "note": "passes every gate; used only if asked for"})
-            verdicts.append(outcome.verdict(device.device_id, note="a fallback: an earlier candidate was selected"))
-
-    if selected is None:
-        refusals = list(all_refusals)
-        if not any(d.runnable for d in devices if not d.masked) or not refusals:
-            why = "; ".join(f"{v.device_id}: {v.note}" for v in verdicts if v.note) or "no device was found"
-            remedy = ("install the backend for this machine's hardware in this venv (edge devices lists what "
-                      "is missing), or unmask a kind you masked")
-            left_out = left_out_plugins(plugins)
-            if left_out:
-                why += f"; the installed {left_out} was not loaded (--plugins / --block, or their env)"
-                remedy = (f"load {left_out}: drop --plugins / --block (or EDGE_PLUGINS / EDGE_BLOCK_PLUGINS), or "
-                          "name it in --plugins; " + remedy)
-            refusals.insert(0, Refusal(
-                code="no_runnable_device", message=f"no device this interpreter drives can take the session ({why})",
-                remedy=remedy,
-            ))
+    verdicts, fallbacks, notes = tuple(record.verdicts), tuple(record.fallbacks), tuple(record.notes)
+    if record.selected is None:
         # The selected session's fields stay empty (nothing was selected); the KV
         # estimate is the request's, so the first candidate that computed one says it.
         first_kv = next((v.kv for v in verdicts if v.kv is not None), None)
-        return refused(refusals, verdicts=tuple(verdicts), fallbacks=tuple(fallbacks), notes=tuple(notes),
-                       kv=first_kv)
-    device, outcome = selected
+        return refused(_no_device_refusals(record, devices, plugins), verdicts=verdicts, fallbacks=fallbacks,
+                       notes=notes, kv=first_kv)
+    device, outcome = record.selected
     assert outcome.kv is not None and outcome.peak is not None
     capacity = outcome.capacity_bytes or 0  # unknown capacity (noted): engine_kwargs_for falls back to the device
     session = with_mode(session, outcome.execution)
     return Plan(
-        admitted=True, model_path=model_path, session=session, manifest=manifest, selected_device=device,
+        admitted=True, model_path=manifest.path, session=session, manifest=manifest, selected_device=device,
         reservations=outcome.reservations, peak=outcome.peak, capacity_bytes=capacity,
         kv=outcome.kv, engine_kwargs=engine_kwargs_for(manifest, session, device, outcome.kv, outcome.peak,
                                                        capacity),
-        fallbacks=tuple(fallbacks), verdicts=tuple(verdicts), devices_source=devices_source, notes=tuple(notes),
+        fallbacks=fallbacks, verdicts=verdicts, devices_source=devices_source, notes=notes,
         execution=outcome.execution,
     )
+
+
+def _judge(device: Device, manifest: Manifest, session: SessionSpec, host: HostFacts | None,
+           registry: Registry | None, devices: list[Device], ledger: LedgerView | None) -> Judgement:
+    """One candidate through the checkpoint planner's gates: masked, runnable, placement, then :func:`plan_on_device`."""
+    if device.masked:
+        return Judgement(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy",
+                                       gate="masked"))
+    if not device.runnable:
+        return Judgement(DeviceVerdict(device.device_id, False, note=f"not runnable here: {device.reason}",
+                                       gate="runnable"))
+    if device.kind in STAGE_ONLY_KINDS:
+        refusal = Refusal(
+            code="no_exported_graph", device_id=device.device_id,
+            message=(f"{device.device_id} executes exported graphs one stage at a time, never a whole "
+                     "autoregressive session"),
+            remedy=("export a stage of this model to ONNX (scripts/export_stage.py) and plan it with "
+                    "`edge plan --model STAGE.onnx`"),
+        )
+        return Judgement(DeviceVerdict(device.device_id, False, (refusal,), gate="placement"))
+    outcome = plan_on_device(device, manifest, session, host, registry, devices, ledger)
+    shorter = shorter_context_fallbacks(device, list(outcome.refusals)) if outcome.refusals else []
+    return Judgement(outcome.verdict(device.device_id), outcome.notes, tuple(shorter), payload=outcome)
+
+
+def _no_device_refusals(record: Walk, devices: list[Device], plugins: list[PluginRecord]) -> list[Refusal]:
+    """The refusals of a walk that selected nothing, led by ``no_runnable_device`` when no gate said why."""
+    refusals = list(record.refusals)
+    if any(d.runnable for d in devices if not d.masked) and refusals:
+        return refusals
+    why = "; ".join(f"{v.device_id}: {v.note}" for v in record.verdicts if v.note) or "no device was found"
+    remedy = ("install the backend for this machine's hardware in this venv (edge devices lists what "
+              "is missing), or unmask a kind you masked")
+    left_out = left_out_plugins(plugins)
+    if left_out:
+        why += f"; the installed {left_out} was not loaded (--plugins / --block, or their env)"
+        remedy = (f"load {left_out}: drop --plugins / --block (or EDGE_PLUGINS / EDGE_BLOCK_PLUGINS), or "
+                  "name it in --plugins; " + remedy)
+    refusals.insert(0, Refusal(
+        code="no_runnable_device", message=f"no device this interpreter drives can take the session ({why})",
+        remedy=remedy,
+    ))
+    return refusals
 
 
 def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, host: HostFacts | None,
@@ -257,19 +236,12 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
     """
     if share is not None:
         manifest = replace(manifest, weight_bytes=share.weight_bytes)  # what this device loads
-    owned = registry is not None and registry.owner(device) is not None
-    notes: tuple[str, ...] = ()
-    if not owned:
-        notes = (f"{device.device_id}: its backend ({device.plugin or device.backend}) is not installed here; "
-                 "planned from the device list alone, without the backend's own gates and memory terms",)
-    formats = (registry.call_owner(device, "weight_formats") if registry is not None and owned else None) \
-        or list(device.weight_formats)
-    if manifest.weight_format not in formats:
-        remedy = registry.call_owner(device, "format_remedy", weight_format=manifest.weight_format) \
-            if registry is not None and owned else None
-        return DeviceOutcome(refusals=(format_refusal(device, manifest, formats, remedy),), gate="format",
-                             notes=notes)
-    mode = execution_mode(device, manifest, session, registry, owned)
+    owner = Owner.of(device, registry)
+    notes = owner.missing_note("without the backend's own gates and memory terms")
+    refusal = format_gate(owner, manifest, owner.formats())
+    if refusal is not None:
+        return DeviceOutcome(refusals=(refusal,), gate="format", notes=notes)
+    mode = execution_mode(device, manifest, session, owner.registry, owner.installed)
     session = with_mode(session, mode)
     block = device.extras.get("kv_block_size")
     kv = estimate_kv(manifest.config, max_model_len=int(session.max_model_len or 0),
@@ -278,34 +250,16 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
                      block_size=block if isinstance(block, int) else None,
                      tp_size=share.layout.tp if share else 1, layer_range=share.layers if share else None,
                      concurrent_batches=share.layout.pp if share else 1)
-    terms = core_reservations(device, manifest, session, kv, share)
-    gated: list[Refusal] = []
-    if registry is not None and owned:
-        terms += registry.call_owner(device, "reserve_memory", manifest=manifest, session=session, host=host,
-                                     share=share) or []
-        # gate_plan judges the usage terms; headroom is the core's admission policy, added after it.
-        gated = registry.call_owner(device, "gate_plan", manifest=manifest, session=session, host=host,
-                                    reservations=terms, share=share) or []
-    predicted = combine(terms, device.memory_pool).predicted_bytes
-    terms = terms + headroom_reservations(device, predicted)  # a new list: gate_plan was handed the old one
-    total = combine(terms, device.memory_pool)
-    capacity, how = capacity_of(device, host, devices or ())
-    kept = DeviceOutcome(reservations=tuple(terms), peak=total, capacity_bytes=capacity, kv=kv, notes=notes,
-                         execution=mode)
-    if gated:
-        return replace(kept, refusals=with_holders(gated, pool_key(device), ledger), gate="backend")
-    if capacity is None:
-        return replace(kept, notes=notes + (f"{device.device_id}: pool capacity unknown (a device list without "
-                                            "host facts); capacity not checked",))
-    if total.admission_bytes > capacity:
-        refusal = capacity_refusal(device, manifest, session, kv, terms, total, capacity, how)
-        return replace(kept, refusals=with_holders([refusal], pool_key(device), ledger), gate="capacity")
-    pool = pool_key(device)
-    committed = ledger.committed_bytes(pool) if ledger is not None else 0
-    if ledger is not None and committed and total.admission_bytes > capacity - committed:
-        refusal = committed_refusal(device, total.admission_bytes, capacity, committed, ledger.holders(pool))
-        return replace(kept, refusals=(refusal,), gate="capacity")
-    return kept
+    budget = backend_budget(owner, core_reservations(device, manifest, session, kv, share), manifest=manifest,
+                            session=session, host=host, devices=devices or (), share=share)
+    terms, total, capacity = list(budget.reservations), budget.peak, budget.capacity_bytes
+    gate, refusals = budget_gates(device, budget, ledger, lambda: capacity_refusal(
+        device, manifest, session, kv, terms, total, capacity or 0, budget.how))
+    if gate is None and capacity is None:
+        notes += (f"{device.device_id}: pool capacity unknown (a device list without host facts); capacity not "
+                  "checked",)
+    return DeviceOutcome(refusals=refusals, gate=gate, reservations=budget.reservations, peak=total,
+                         capacity_bytes=capacity, kv=kv, notes=notes, execution=mode)
 
 
 def left_out_plugins(plugins: list[PluginRecord]) -> str:

@@ -1,7 +1,7 @@
 """Can this exported graph run as one stage here, on which device, with how many bytes?
 
 iGPUs and NPUs execute exported graphs one stage at a time, never a whole
-decode session (SPEC section 4). :func:`plan_graph_stage` (reached from
+decode session. :func:`plan_graph_stage` (reached from
 ``make_plan`` when the artifact is an ``.onnx`` graph) walks the devices that
 execute graphs through the gates *reachable* (a device that exists but no
 interpreter here drives it is ``device_unreachable_from_this_process``, naming
@@ -25,16 +25,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..budget import MIB, Reservation
-from ..budget import peak as combine
 from ..errors import UsageError
 from ..host_ledger import HOST_POOL, LedgerView, read_ledger
 from ..registry import install_hint
 from ..routes import INTERPRETER_NAMES, resolved_of, statuses_of
-from .capacity import capacity_of
-from .checkpoint import candidate_order
-from .ledger import check_committed, holder_dicts, with_holders
-from .remedies import format_refusal
-from .terms import headroom_reservations
+from .gates import Judgement, Owner, backend_budget, budget_gates, format_gate, walk
+from .ledger import holder_dicts
 from .types import STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
@@ -68,9 +64,8 @@ NUMERIC_TOLERANCE = {
 DEFAULT_NUMERIC_TOLERANCE = 8e-2
 
 #: What ``import onnxruntime`` plus one CPU-provider session cost in the
-#: process, before weights: 31 MiB PSS measured (onnxruntime 1.32, this
-#: project's CI machine; 20 MiB import, 11 MiB session and thread pools),
-#: rounded up (E). A device's EP library (DirectML, VitisAI) comes on top
+#: process, before weights, rounded up (E; docs/vllm-cpu-facts.md, "ONNX
+#: Runtime on the CPU provider"). A device's EP library (DirectML, VitisAI) comes on top
 #: through its backend's ``reserve_memory``.
 ORT_RUNTIME_BASELINE_BYTES = 48 * MIB
 #: Floor of the activation arena: the first run of the demo stages grew PSS by
@@ -270,121 +265,84 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
     reference_path, reference_why = resolve_reference(manifest, facts)
     tolerance = NUMERIC_TOLERANCE.get(manifest.weight_format, DEFAULT_NUMERIC_TOLERANCE) \
         if numeric_tolerance is None else float(numeric_tolerance)
-    notes: list[str] = []
-    if ledger is None:
-        try:
-            ledger = read_ledger()
-        except UsageError as exc:  # an untrusted ledger directory: planned as `edge plan` does, with a note
-            notes.append(f"{exc}; planned without the other sessions' reservations")
-            ledger = LedgerView()
-        else:
-            notes.extend(f"session ledger: {warning}" for warning in ledger.warnings)
-    verdicts: list[DeviceVerdict] = []
-    fallbacks: list[dict[str, Any]] = []
-    all_refusals: list[Refusal] = []
-    selected: tuple[Device, list[Reservation], Peak, int | None, str] | None = None
-    for device in candidate_order(devices):
-        owned = registry is not None and registry.owner(device) is not None
-        formats = (registry.call_owner(device, "weight_formats") if registry is not None and owned else None) \
-            or list(device.weight_formats)
-        if not executes_graphs(device, formats):
-            verdicts.append(DeviceVerdict(device.device_id, False, gate="placement", note=(
-                f"runs checkpoints, not exported graphs (formats: {', '.join(formats) or 'none'})")))
-            continue
-        if device.masked:
-            verdicts.append(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy",
-                                          gate="masked"))
-            continue
-        if not device.runnable:
-            refusal = unreachable_refusal(device)
-            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,), gate="runnable"))
-            all_refusals.append(refusal)
-            continue
-        if not owned:
-            notes.append(f"{device.device_id}: its backend ({device.plugin or device.backend}) is not installed "
-                         "here; planned from the device list alone, and it cannot be run from here")
-        if manifest.weight_format not in formats:
-            remedy = registry.call_owner(device, "format_remedy", weight_format=manifest.weight_format) \
-                if registry is not None and owned else None
-            refusal = format_refusal(device, manifest, formats, remedy)
-            verdicts.append(DeviceVerdict(device.device_id, False, (refusal,), gate="format"))
-            all_refusals.append(refusal)
-            continue
-        terms = stage_reservations(manifest, facts, reference_path)
-        gated: list[Refusal] = []
-        if registry is not None and owned:
-            terms += registry.call_owner(device, "reserve_memory", manifest=manifest, session=session,
-                                         host=host, share=None) or []
-            gated = registry.call_owner(device, "gate_plan", manifest=manifest, session=session, host=host,
-                                        reservations=terms, share=None) or []
-        # The budget is pure arithmetic: computed before the backend's verdict counts, so a
-        # refused device keeps the terms it was refused on (a new list: gate_plan has the old one).
-        terms = terms + headroom_reservations(device, combine(terms, device.memory_pool).predicted_bytes)
-        total = combine(terms, device.memory_pool)
-        capacity, how = capacity_of(device, host, devices)
-        budget = DeviceVerdict(device.device_id, False, reservations=tuple(terms), peak=total,
-                               capacity_bytes=capacity)
-        if gated:
-            verdicts.append(replace(budget, refusals=tuple(gated), gate="backend"))
-            all_refusals.extend(gated)
-            continue
-        if capacity is None:
-            notes.append(f"{device.device_id}: host capacity unknown (a device list without host facts or a CPU "
-                         "row); capacity not checked")
-        elif device.memory_pool == HOST_POOL:
-            # The checkpoint planner's rule: too big for the pool alone, or only without what others hold unseen.
-            if total.admission_bytes > capacity:
-                pool_refusals = with_holders([stage_capacity_refusal(device, total, capacity, how)], HOST_POOL, ledger)
-            else:
-                committed = check_committed(device, total.admission_bytes, capacity, ledger)
-                pool_refusals = (committed,) if committed is not None else ()
-            if pool_refusals:
-                verdicts.append(replace(budget, refusals=pool_refusals, gate="capacity"))
-                all_refusals.extend(pool_refusals)
-                continue
-        if selected is None:
-            selected = (device, terms, total, capacity, how)
-            verdicts.append(replace(budget, selected=True))
-        else:
-            fallbacks.append({"kind": "device", "device_id": device.device_id, "backend": device.backend,
-                              "approved": True, "note": "passes every gate; used only if asked for"})
-            verdicts.append(replace(budget, note="a fallback: an earlier candidate was selected"))
-
-    if selected is None:
-        refusals = list(all_refusals)
-        if not refusals:
-            why = "; ".join(f"{v.device_id}: {v.note}" for v in verdicts if v.note) or "no device was found"
-            refusals.append(Refusal(
-                code="no_runnable_device",
-                message=f"no device this interpreter sees executes exported graphs ({why})",
-                remedy=("install edge-dml (AMD/Intel iGPU through DirectML) or edge-vitisai (AMD XDNA NPU) in this "
-                        "venv; or plan the checkpoint itself for the CPU or a discrete GPU"),
-            ))
-        return refused(refusals, verdicts=tuple(verdicts), fallbacks=tuple(fallbacks), notes=tuple(notes))
-
-    device, terms, total, capacity, how = selected
-    route = resolved_of(device)
+    ledger, ledger_notes = (ledger, ()) if ledger is not None else _read_ledger()
+    record = walk(devices, lambda device: _judge(device, manifest, facts, reference_path, session, host, registry,
+                                                 devices, ledger), notes=ledger_notes)
+    verdicts, fallbacks, notes = tuple(record.verdicts), tuple(record.fallbacks), tuple(record.notes)
+    if record.selected is None:
+        why = "; ".join(f"{v.device_id}: {v.note}" for v in verdicts if v.note) or "no device was found"
+        refusals = list(record.refusals) or [Refusal(
+            code="no_runnable_device", message=f"no device this interpreter sees executes exported graphs ({why})",
+            remedy=("install edge-dml (AMD/Intel iGPU through DirectML) or edge-vitisai (AMD XDNA NPU) in this "
+                    "venv; or plan the checkpoint itself for the CPU or a discrete GPU"),
+        )]
+        return refused(refusals, verdicts=verdicts, fallbacks=fallbacks, notes=notes)
+    device, budget = record.selected
     stage = {
-        "schema": STAGE_SCHEMA,
-        "kind": "graph_stage",
-        "runtime": "onnxruntime",
+        "schema": STAGE_SCHEMA, "kind": "graph_stage", "runtime": "onnxruntime",
         "stage": facts.metadata.get(META_STAGE),
-        "route": dict(route) if route else None,
-        "target_provider": (route or {}).get("provider") or device.extras.get("execution_provider"),
+        **_route_doc(device),
         "placement_threshold": threshold,
         "placement": "unproven until the first run's profile is read (edge run --model)",
         "numeric_tolerance": tolerance,
         "numeric_tolerance_metric": "max |output - reference| / max |reference|",
-        "reference_graph": reference_path,
-        "reference_why": reference_why,
+        "reference_graph": reference_path, "reference_why": reference_why,
         "sample_dims": facts.sample_dims(),
         "inputs": [{"name": n, "elem_type": e, "dims": list(s)} for n, e, s in facts.inputs],
         "outputs": [{"name": n, "elem_type": e, "dims": list(s)} for n, e, s in facts.outputs],
-        "host_pool": host_pool_doc(capacity, how, ledger),
+        "host_pool": host_pool_doc(budget.capacity_bytes, budget.how, ledger),
     }
     return GraphStagePlan(
         admitted=True, model_path=manifest.path, session=session, manifest=manifest, selected_device=device,
-        reservations=tuple(terms), peak=total, capacity_bytes=capacity,
-        fallbacks=tuple(fallbacks), verdicts=tuple(verdicts), devices_source=devices_source, notes=tuple(notes),
-        stage=stage,
+        reservations=budget.reservations, peak=budget.peak, capacity_bytes=budget.capacity_bytes,
+        fallbacks=fallbacks, verdicts=verdicts, devices_source=devices_source, notes=notes, stage=stage,
     )
+
+
+def _read_ledger() -> tuple[LedgerView, tuple[str, ...]]:
+    """This host's ledger and the notes reading it left; an empty view when its directory is not trusted."""
+    try:
+        ledger = read_ledger()
+    except UsageError as exc:  # an untrusted ledger directory: planned as `edge plan` does, with a note
+        return LedgerView(), (f"{exc}; planned without the other sessions' reservations",)
+    return ledger, tuple(f"session ledger: {warning}" for warning in ledger.warnings)
+
+
+def _route_doc(device: Device) -> dict[str, Any]:
+    """``plan.stage``'s route that resolved for ``device`` and the execution provider it targets."""
+    route = resolved_of(device)
+    return {"route": dict(route) if route else None,
+            "target_provider": (route or {}).get("provider") or device.extras.get("execution_provider")}
+
+
+def _judge(device: Device, manifest: Manifest, facts: GraphFacts, reference_path: str, session: SessionSpec,
+           host: HostFacts | None, registry: Registry | None, devices: list[Device],
+           ledger: LedgerView) -> Judgement:
+    """One candidate through the stage planner's gates: placement, masked, runnable, format, backend, capacity."""
+    owner = Owner.of(device, registry)
+    formats = owner.formats()
+    if not executes_graphs(device, formats):
+        return Judgement(DeviceVerdict(device.device_id, False, gate="placement", note=(
+            f"runs checkpoints, not exported graphs (formats: {', '.join(formats) or 'none'})")))
+    if device.masked:
+        return Judgement(DeviceVerdict(device.device_id, False, note=device.reason or "masked by policy",
+                                       gate="masked"))
+    if not device.runnable:
+        return Judgement(DeviceVerdict(device.device_id, False, (unreachable_refusal(device),), gate="runnable"))
+    notes = owner.missing_note("and it cannot be run from here")
+    refusal = format_gate(owner, manifest, formats)
+    if refusal is not None:
+        return Judgement(DeviceVerdict(device.device_id, False, (refusal,), gate="format"), notes)
+    budget = backend_budget(owner, stage_reservations(manifest, facts, reference_path), manifest=manifest,
+                            session=session, host=host, devices=devices)
+    row = DeviceVerdict(device.device_id, False, reservations=budget.reservations, peak=budget.peak,
+                        capacity_bytes=budget.capacity_bytes)
+    capacity = budget.capacity_bytes
+    # The capacity gate is the host pool's (see the module docstring); other pools are not checked here.
+    too_big = (lambda: stage_capacity_refusal(device, budget.peak, capacity or 0, budget.how)) \
+        if device.memory_pool == HOST_POOL else None
+    gate, refusals = budget_gates(device, budget, ledger, too_big)
+    if gate is None and capacity is None:
+        notes += (f"{device.device_id}: host capacity unknown (a device list without host facts or a CPU row); "
+                  "capacity not checked",)
+    return Judgement(replace(row, refusals=refusals, gate=gate), notes, payload=budget)

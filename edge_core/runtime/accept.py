@@ -1,4 +1,4 @@
-"""Does an admitted plan pass the acceptance run (SPEC section 10)? A record of criteria, each with its evidence.
+"""Does an admitted plan pass the acceptance run? A record of criteria, each with its evidence.
 
 Decisions with the device visible and masked (both must decide; the masked
 one must refuse without an engine), twelve fixed prompts to 128 greedy tokens

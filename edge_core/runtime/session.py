@@ -1,7 +1,9 @@
 """What happens when an admitted plan runs: one stage, its requests, and its memory, measured.
 
 :class:`StageSession` is the one code path every command that starts an engine
-goes through (``edge run``, ``edge accept``, the edge half of ``edge parity``):
+goes through (``edge run``, ``edge accept``, the edge half of ``edge parity``,
+and ``edge serve``, whose server starts the engine itself: ``starts_stage=False``
+skips step 4):
 
 1. the owning backend's ``prepare_stage`` (vLLM CPU grows its NUMA node),
    before anything is measured;
@@ -52,12 +54,10 @@ if TYPE_CHECKING:
     from .measure import MemoryReport
 
 #: Which budget bounds which counter. The predicted peak is a forecast of the
-#: tree's PSS. Two counters are reported but not checked: tree RSS counts
-#: shared library pages once per process (measured 0.39-0.43 GiB above PSS for
-#: vLLM CPU's 4 processes), and host available memory moves with every process
-#: on the host (measured: a 2.23 GiB drop during an acceptance run whose tree
-#: PSS rose 1.34 GiB, while other jobs ran on the machine). NVML's used bytes
-#: are the whole card's; on a GPU the session is what fills it.
+#: tree's PSS. Tree RSS (shared pages counted once per process) and host
+#: available memory (moved by every process on the host) are reported, not
+#: checked; see docs/vllm-cpu-facts.md, "Counters the budget does not bound".
+#: NVML's used bytes are the whole card's; on a GPU the session is what fills it.
 COVERED_COUNTERS = {
     "host_ram": {"tree_pss": "predicted"},
     "vram": {"device": "predicted"},
@@ -193,8 +193,11 @@ class TerminationAsInterrupt:
 
     SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
-    def __enter__(self) -> TerminationAsInterrupt:
+    def __init__(self) -> None:
         self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> TerminationAsInterrupt:
+        self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._raise)
@@ -207,6 +210,7 @@ class TerminationAsInterrupt:
     def __exit__(self, *exc: object) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+        self._previous = {}
 
 
 def prepare_stage(registry: Registry, plan: Plan, observer: Observer) -> Any:
@@ -241,7 +245,7 @@ def stage_info(stage: Any) -> dict[str, Any]:
 
 
 def memory_record(plan: Plan, report: MemoryReport) -> dict[str, Any]:
-    """Budget against measurement, one entry per counter, never summed (SPEC section 9)."""
+    """Budget against measurement, one entry per counter, never summed."""
     assert plan.peak is not None and plan.selected_device is not None
     peak = plan.peak
     budgets = {"predicted": peak.predicted_bytes}
@@ -285,12 +289,14 @@ class StageSession:
     sampler. SIGTERM/SIGHUP inside the block arrive as KeyboardInterrupt; a
     SIGKILL of this process is the reaper's to clean up. ``memory()`` is the
     budget against what was measured, after leaving; ``engine_processes()``
-    the session's live engine processes, while it runs.
+    the session's live engine processes, while it runs. ``starts_stage=False``
+    does everything but start and stop the stage, for a caller whose engine is
+    started another way (``edge serve``'s server).
     """
 
     def __init__(self, plan: Plan, registry: Registry, observer: Observer | None = None, *,
                  node_prep: Any = None, prepared: bool = False, engine_log: EngineLog | None = None,
-                 keep_log: bool = False):
+                 keep_log: bool = False, starts_stage: bool = True):
         if not plan.admitted or plan.selected_device is None:
             raise StageError("a stage starts only from an admitted plan; run `edge plan` to see why it was refused")
         self.plan = plan
@@ -299,11 +305,14 @@ class StageSession:
         self.observer: Observer = observer or SilentObserver()
         self.node_prep = node_prep
         self._prepared = prepared
+        self._starts_stage = starts_stage
         self.stage: Any = None
         self.stage_pids: tuple[int, ...] = ()
         self.start_s = 0.0
         self.stop_s = 0.0
         self.stop_answer: Any = None
+        #: The backend's device memory counter (``memory_counter``), None when it has none.
+        self.counter: Any = None
         self.sampler: ProcessTreeSampler | None = None
         self._report: MemoryReport | None = None
         self._signals = TerminationAsInterrupt()
@@ -316,42 +325,47 @@ class StageSession:
 
     def __enter__(self) -> StageSession:
         (self.engine_log or EngineLog(None)).export()  # never a previous session's log
-        if self.engine_log is not None:
-            if self.engine_log.path is not None:
-                self.observer.message(f"engine log: {self.engine_log.path}")
+        if self.engine_log is not None and self.engine_log.path is not None:
+            self.observer.message(f"engine log: {self.engine_log.path}")
         if not self._prepared:
             self.node_prep = prepare_stage(self.registry, self.plan, self.observer)
-        self.reaper.__enter__()  # before the baseline: its own few MiB are not the engine's
-        try:
+        self._watch()
+        if self._starts_stage:
+            with contextlib.ExitStack() as undo:
+                undo.push(self.__exit__)  # a start that fails or is interrupted is left as a session is
+                self._start()
+                undo.pop_all()
+        return self
+
+    def _watch(self) -> None:
+        """Start the reaper, then take the memory baseline and start the sampler (the reaper ended if that fails)."""
+        with contextlib.ExitStack() as undo:
+            undo.enter_context(self.reaper)  # before the baseline: its own few MiB are not the engine's
             if not self.reaper.watching:
                 self.observer.message("WARNING: the session's reaper did not start: if edge is killed without a "
                                       "chance to stop (kill -9, the OOM killer), its engine processes will outlive it")
-            counter = self.registry.call_owner(self.device, "memory_counter")
+            counter = self.counter = self.registry.call_owner(self.device, "memory_counter")
             self.sampler = ProcessTreeSampler(
                 os.getpid(), DEFAULT_PERIOD_S,
                 device_counter=counter.read if counter is not None else None,
                 device_source=counter.source if counter is not None else "none")
             self.sampler.baseline()  # before the runtime is imported: everything above it is the session's
             self.sampler.start()
-        except BaseException:
-            self.reaper.__exit__()
-            raise
+            undo.pop_all()
+
+    def _start(self) -> None:
+        """``start_stage`` with SIGTERM/SIGHUP routed through Ctrl-C; the ledger record says the engine is up."""
         self._signals.__enter__()
-        try:
-            with self.observer.step(f"starting {self.device.backend} on {self.device.device_id} "
-                                    "(plan's engine arguments, nothing else)"):
-                started = time.perf_counter()
-                self.stage = self.registry.call_owner(self.device, "start_stage", plan=self.plan)
-                self.start_s = time.perf_counter() - started
-            if self.stage is None:
-                raise StageError(f"the backend that owns {self.device.device_id} ({self.device.plugin}) does not "
-                                 "implement start_stage; it can plan but not run")
-            self.stage_pids = tuple(getattr(self.stage, "stage_pids", ()))
-            set_state("running")  # the host ledger's record (edge ps): the engine is up
-        except BaseException as exc:
-            self.__exit__(type(exc), exc, None)
-            raise
-        return self
+        with self.observer.step(f"starting {self.device.backend} on {self.device.device_id} "
+                                "(plan's engine arguments, nothing else)"):
+            started = time.perf_counter()
+            self.stage = self.registry.call_owner(self.device, "start_stage", plan=self.plan)
+            self.start_s = time.perf_counter() - started
+        if self.stage is None:
+            raise StageError(f"the backend that owns {self.device.device_id} ({self.device.plugin}) does not "
+                             "implement start_stage; it can plan but not run")
+        self.stage_pids = tuple(getattr(self.stage, "stage_pids", ()))
+        set_state("running")  # the host ledger's record (edge ps): the engine is up
 
     def request(self, request: StageRequest) -> Consumer:
         """Submit ``request``; iterate (or ``drain()``) the returned consumer for its events."""

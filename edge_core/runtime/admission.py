@@ -1,0 +1,190 @@
+"""Which plan a command that starts an engine runs, and how it is admitted on this host.
+
+``edge run``, ``serve``, ``accept`` and ``parity`` (and ``edge plan``, which
+stops before admission) plan through here: the devices (probed, or device
+lists saved elsewhere, :func:`find_devices`), then :func:`plan_model`, which
+counts what the other live edge sessions hold (:mod:`edge_core.host_ledger`)
+and, for a command that starts an engine, downloads an admitted Hub model's
+weights (:func:`fetch_model`) and admits the plan under the ledger's lock
+(:func:`admit`). Nothing here parses arguments; what a person should read is
+handed to ``say`` (one line, without the ``edge:`` prefix).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ArtifactError, UsageError
+from ..plan import Plan, Refusal, SessionSpec
+
+if TYPE_CHECKING:
+    from ..artifact.hub import ModelSource
+    from ..devices import Device
+    from ..host import HostFacts
+    from ..host_ledger import LedgerView
+    from ..plan.parallel import ParallelRequest
+    from ..registry import Registry
+
+#: Where a line for a person goes (the CLI prints ``edge: <line>`` on stderr).
+Say = Callable[[str], None]
+#: One plan of ``model`` at ``revision`` beside ``ledger`` (None: without the other sessions).
+PlanOnce = Callable[[str, "LedgerView | None", "str | None"], Plan]
+
+
+def _silent(text: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class FoundDevices:
+    """The devices a plan is made against, their hosts' facts, and where they came from (``probed``, ``file:...``)."""
+
+    host: HostFacts | None
+    devices: list[Device]
+    source: str
+    hosts: dict[str, Any] = field(default_factory=dict)
+
+
+def find_devices(registry: Registry, mask: frozenset[str], device_files: tuple[str, ...] = (),
+                 backend: str | None = None, say: Say = _silent) -> FoundDevices:
+    """This interpreter's devices, or the saved lists (one per host); only ``backend``'s when one is named."""
+    from ..plan import only_backend
+    from ..plan.planner import load_device_sets
+    from ..registry import discover
+
+    hosts: dict[str, Any] = {}
+    if device_files:
+        host, devices, hosts = load_device_sets(list(device_files), registry, mask)
+        source = "file:" + ",".join(device_files)
+    else:
+        host, devices = discover(registry, mask)
+        source = "probed"
+    for warning in registry.warnings:  # as `edge plugins` and `edge devices` say them
+        say(f"warning: {warning}")
+    return FoundDevices(host, only_backend(devices, backend, registry), source, hosts)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a command asks to plan: the model, the session, the layout, and how it is admitted."""
+
+    model: str
+    session: SessionSpec
+    parallel: ParallelRequest
+    revision: str | None = None
+    digest_weights: bool = False
+    #: The command the ledger record names (``run`` -> ``edge run``).
+    command: str = "plan"
+    #: The model as the user gave it (None: the bundled demo); the ledger record names it.
+    requested_model: str | None = None
+    #: How long admission retries while only other sessions' memory is in the way.
+    wait_s: float = 0.0
+
+
+def plan_model(request: PlanRequest, found: FoundDevices, registry: Registry, *, fetch_weights: bool = False,
+               count_others: bool = True, say: Say = _silent) -> Plan:
+    """Plan ``request`` against ``found``; with ``fetch_weights`` (a command that starts an engine), admit it.
+
+    Every plan counts what the other live edge sessions on this host hold.
+    With ``fetch_weights`` the plan is also an admission: made under the
+    ledger's lock and, if admitted, registered there before the lock is
+    released, so two sessions started together cannot both take the last free
+    bytes; ``wait_s`` retries while the only obstacle is another session's
+    memory. Before that, an admitted plan of a Hub model whose weights are not
+    in the Hugging Face cache downloads them (after checking the disk), so the
+    engine starts on local files and never touches the network itself. A
+    refused plan downloads nothing. ``count_others=False`` plans without the
+    ledger (a second layout planned inside a session the ledger already
+    holds, for ``edge parity``).
+    """
+    from ..artifact.hub import looks_like_hub_id
+    from ..plan import make_plan
+
+    def plan_once(path: str, ledger: LedgerView | None, rev: str | None) -> Plan:
+        return make_plan(path, session=request.session, devices=found.devices, host=found.host, registry=registry,
+                         devices_source=found.source, digest_weights=request.digest_weights, revision=rev,
+                         ledger=ledger, parallel=request.parallel, hosts=found.hosts)
+
+    model, revision = request.model, request.revision
+    if not fetch_weights:
+        return plan_once(model, ledger_view(say) if count_others else None, revision)
+    downloaded = None
+    if looks_like_hub_id(model) and not os.path.lexists(model):
+        # Plan from the headers first: a refused model downloads nothing, an admitted one its weights.
+        plan = plan_once(model, ledger_view(say), revision)
+        if not plan.admitted:
+            return plan
+        if plan.source is not None and not plan.source.weights_present:
+            fetched = fetch_model(plan, say)
+            if isinstance(fetched, Plan):
+                return fetched
+            downloaded = fetched
+    return admit(plan_once, downloaded.path if downloaded else model, None if downloaded else revision,
+                 command=request.command, requested_model=request.requested_model, wait_s=request.wait_s,
+                 downloaded=downloaded)
+
+
+def admit(plan_once: PlanOnce, model: str, revision: str | None, *, command: str, requested_model: str | None,
+          wait_s: float = 0.0, downloaded: ModelSource | None = None) -> Plan:
+    """Plan under the host ledger's lock and register an admitted plan; wait up to ``wait_s`` for other sessions."""
+    from ..host_ledger import admission
+    from ..plan.ledger import ledger_bytes
+
+    deadline = time.monotonic() + float(wait_s or 0)
+    while True:
+        with admission() as taken:
+            plan = plan_once(model, taken.view, revision)
+            if downloaded is not None:
+                plan = replace(plan, source=downloaded)
+            if plan.admitted:
+                assert plan.peak is not None and plan.selected_device is not None
+                taken.register(command=_record_label(plan, command), model=requested_model or plan.model_path,
+                               artifact_id=plan.manifest.artifact_id if plan.manifest else None,
+                               device_ids=(plan.selected_device.device_id,), reserved_bytes=ledger_bytes(plan),
+                               predicted_peak_bytes=plan.peak.predicted_bytes,
+                               headroom_bytes=plan.peak.headroom_bytes)
+                return plan
+        waiting = {r.code for r in plan.refusals} == {"device_committed"}
+        if not waiting or time.monotonic() >= deadline:
+            return plan
+        time.sleep(1.0)
+
+
+def _record_label(plan: Plan, command: str) -> str:
+    """``edge run``, with the node and its ranks for a node of a multi-node plan (``edge ps`` shows it)."""
+    node = (plan.parallel or {}).get("node")
+    if not node:
+        return f"edge {command}"
+    ranks = f"rank{'s' if len(node['ranks']) > 1 else ''} {','.join(map(str, node['ranks']))}"
+    return f"edge {command} (node {node['node_rank']} of {node['nnodes']}, {ranks})"
+
+
+def ledger_view(say: Say = _silent) -> LedgerView | None:
+    """The other live sessions on this host; None (with a warning) when the ledger cannot be trusted."""
+    from ..host_ledger import read_ledger
+
+    try:
+        view = read_ledger()
+    except UsageError as exc:
+        say(f"warning: {exc}; planning without the other sessions' reservations")
+        return None
+    for warning in view.warnings:
+        say(f"warning: session ledger: {warning}")
+    return view
+
+
+def fetch_model(plan: Plan, say: Say = _silent) -> ModelSource | Plan:
+    """Download an admitted Hub plan's weights into the Hugging Face cache; a refused plan if that cannot be done."""
+    from ..artifact.hub import download
+
+    assert plan.source is not None
+    say(f"{plan.source.describe()}; downloading the weights into the Hugging Face cache")
+    try:
+        return download(plan.source)
+    except ArtifactError as exc:
+        return replace(plan, admitted=False, refusals=(Refusal(code=exc.code, message=str(exc), remedy=exc.remedy),),
+                       selected_device=None, reservations=(), peak=None, capacity_bytes=None, engine_kwargs={})
