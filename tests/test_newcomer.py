@@ -351,7 +351,8 @@ def test_generated_text_reaches_the_terminal_without_control_characters():
 # ---------------------------------------------------------------- the suite's one real `edge run` (1, 7, 10, 13)
 
 class TestRealRun:
-    pytestmark = [*needs_engine, pytest.mark.alone]  # the run's budget line is read by test_run.py too
+    # One engine, read by test_run.py's budget-line test too: both on the xdist worker that starts it.
+    pytestmark = [*needs_engine, pytest.mark.xdist_group("demo_run")]
 
     def test_nothing_follows_the_summary(self, demo_run):
         proc, _ = demo_run

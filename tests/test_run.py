@@ -174,7 +174,7 @@ def test_parity_refuses_a_reference_layout_the_model_cannot_split_before_any_eng
 class TestRealEngine:
     pytestmark = needs_vllm
 
-    @pytest.mark.alone
+    @pytest.mark.xdist_group("demo_run")  # with test_newcomer.py's checks of the same run
     def test_run_streams_tokens_and_prints_the_budget_line(self, demo_run):
         done, _ = demo_run  # the suite's one `edge run` on the demo (conftest.py)
         assert done.returncode == 0, done.stderr[-3000:]
