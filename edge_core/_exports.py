@@ -3,8 +3,8 @@
 ``edge devices`` imports every backend, and every backend imports
 ``edge_core.plan`` for :class:`~edge_core.plan.Refusal`; loading the whole
 planner (KV arithmetic, manifests, graph stages) on that path cost about
-0.1 s of CPU in a fresh interpreter (measured: ``import edge_core`` 134 ms ->
-236 ms of CPU before this). A layer package therefore imports its types
+0.1 s of CPU in a fresh interpreter (docs/benchmarks.md, 'The layering, before
+and after'). A layer package therefore imports its types
 eagerly and the rest of its public face through :func:`lazy_exports`. The
 import still points down (a package to its own submodule); type checkers see
 the plain imports under ``TYPE_CHECKING``.

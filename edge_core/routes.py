@@ -7,9 +7,9 @@ backends share this mechanism (edge-dml's two DirectML routes and edge-vitisai's
 VitisAI route), so it lives once, here, and stays import-free: a route resolves
 from installed metadata, never by importing the runtime.
 
-Routes are listed in a backend's *measured* order of preference, not an assumed
-one: DirectML under WSL measured slower than the CPU it shares memory with
-(SPEC section 4), so that route ranks last and says so. Every route that does
+Routes are listed in a backend's order of preference as runs found it, not an
+assumed one: DirectML under WSL ran slower than the CPU it shares memory with
+(docs/igpu-npu-facts.md), so that route ranks last and says so. Every route that does
 not resolve says why: not installed here (what to install), installed beside
 a clashing build, or living in another interpreter (which one, and how to reach
 it). The statuses travel in ``Device.extras["routes"]`` so a planner — even one
@@ -92,7 +92,7 @@ class RouteStatus:
     ``where`` is ``here`` (this interpreter), ``another_interpreter`` (it lives
     in an interpreter this one can start, e.g. Windows Python from WSL) or
     ``elsewhere`` (not on this machine's reach from here). ``rank`` is the
-    route's place in the backend's measured preference order (0 first).
+    route's place in the backend's preference order (0 first).
     """
 
     route: Route

@@ -10,7 +10,7 @@ the formats of the route that resolved), the backend's own gates, and
 *capacity*: the host pool, less what the live edge sessions and stages on this
 host hold and it does not show yet (the host-wide ledger, :mod:`.ledger`).
 Whether the stage then really ran on its device, and with the right numbers,
-is measured after its first run (:mod:`edge_core.runtime.graph_run`); the
+is checked after its first run (:mod:`edge_core.runtime.graph_run`); the
 thresholds it is judged by are decided here and travel in ``plan.stage``.
 
 ``onnx`` is imported only to read a graph's inputs and metadata.

@@ -1,4 +1,4 @@
-"""Run it: an admitted plan becomes a running stage, measured, cancelled and stopped cleanly.
+"""Run it: an admitted plan becomes a running stage, its memory sampled, cancelled and stopped cleanly.
 
 The runtime layer. vLLM and ONNX Runtime are imported inside functions only,
 when a stage starts; each submodule is imported on first use, so ``edge plan``

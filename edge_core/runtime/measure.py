@@ -1,4 +1,4 @@
-"""How much memory did a run actually use, measured so that the number can be trusted?
+"""How much memory did a run actually use, in numbers that can be trusted?
 
 The engine runs in worker processes (vLLM spawns them), so reading only the
 parent process is wrong: :class:`ProcessTreeSampler` samples the whole process
@@ -311,7 +311,7 @@ class ProcessTreeSampler:
             self._cond.notify_all()
 
     def baseline(self) -> Sample:
-        """Take the pre-load sample every attributable peak is measured from."""
+        """Take the pre-load sample every attributable peak is counted from."""
         sample = self.sample_once()
         with self._cond:
             self._baseline = sample
@@ -425,7 +425,7 @@ class ProcessTreeSampler:
 
 
 def compare(budget_bytes: int, report: MemoryReport, counter: str = "tree_pss") -> dict[str, Any]:
-    """Check a predicted peak against a measured attributable peak.
+    """Check a predicted peak against a sampled attributable peak.
 
     ``budget_bytes`` is the plan's predicted peak (usage, not headroom).
     Verdicts: ``bounds`` when the prediction is at or above the measurement,

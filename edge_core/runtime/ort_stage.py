@@ -10,7 +10,7 @@ in, one :class:`~edge_core.stream.DeltaEvent` comes out carrying the output
 arrays in ``tensors`` and ``finish_reason="stop"``. Cancel sets ONNX Runtime's
 ``RunOptions.terminate`` on the run in flight.
 
-Placement is measured, never read from the session: an ONNX Runtime session
+Placement is profiled, never read from the session: an ONNX Runtime session
 *lists* every provider it was given whether or not that provider claimed a
 single node (an XDNA session lists VitisAI while every node of an fp32 graph
 runs on the CPU, with CPU-identical outputs). So the first run of every stage
@@ -88,7 +88,7 @@ class KernelEvent:
 
 @dataclass(frozen=True)
 class Placement:
-    """Which provider executed the stage's first run, measured from ONNX Runtime's profile (evidence B).
+    """Which provider executed the stage's first run, read from ONNX Runtime's profile (evidence B).
 
     ``node_share`` is the fraction of executed kernels the target provider ran,
     ``time_share`` the fraction of kernel time. An EP that compiles a partition
@@ -274,7 +274,7 @@ class OrtStage:
     """A started graph stage: one ONNX Runtime session on one device, and what its first run proved.
 
     ``session_providers`` is what the session *lists* — recorded, never taken
-    as evidence; ``placement`` is what the profile measured (None before the
+    as evidence; ``placement`` is what the profile shows (None before the
     first run).
     """
 

@@ -15,13 +15,13 @@ implements ``start_server``:
 3. the backend's server runs in this thread until SIGTERM or SIGINT, with
    edge's endpoints beside the runtime's: ``/edge/`` (a page: the plan drawn
    against capacity, the live memory against the prediction), ``/edge/plan``
-   (the plan document), ``/edge/memory`` (predicted vs measured, JSON) and
+   (the plan document), ``/edge/memory`` (predicted vs sampled, JSON) and
    ``/edge/metrics`` (the same as Prometheus gauges);
 4. a watcher compares the sampled peak with the prediction every period: the
    first time the measurement exceeds it, it says so loudly, once, and counts
    it (``edge_memory_over_prediction_total``) — the plan was wrong;
 5. after the stop: every engine process reaped, the port free, the lifetime
-   summary (requests served, predicted vs measured peak) as a record.
+   summary (requests served, predicted vs sampled peak) as a record.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def port_holder(port: int) -> str:
 
 
 class MemoryWatch:
-    """Predicted vs measured while the server runs: the live figures, and a loud note the first time it is exceeded."""
+    """Predicted vs sampled while the server runs: the live figures, and a loud note the first time it is exceeded."""
 
     def __init__(self, plan: Plan, sampler: ProcessTreeSampler, observer: Observer, counter: str):
         assert plan.peak is not None

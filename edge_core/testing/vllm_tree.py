@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-#: A vLLM tree of the 0.32 shape, cut to the lines the reader looks at: interface protocols in
+#: The tree, cut to the lines the reader looks at: interface protocols in
 #: interfaces.py, a class listing SupportsPP (llama), one inheriting it from another module (mistral),
 #: one whose bases never list it (nopp, through a base of its own module), one that does not parse.
 FAKE_VLLM_MODELS = {

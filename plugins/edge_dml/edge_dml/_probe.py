@@ -178,7 +178,7 @@ def verify(device: Device, ort: Any = None, torch_directml: Any = None) -> Devic
     provider list. ``torch:dml``: torch-directml must count at least one
     device. This imports the runtime (the only place besides a stage start
     that does). A listed provider still proves no placement: graphs it cannot
-    take run on the CPU silently, which only a measured stage shows.
+    take run on the CPU silently, which only a stage's profiled placement shows.
     """
     evidence = {**device.evidence, "runnable": "B"}
     if device.backend == "ort:dml":

@@ -1,6 +1,6 @@
 """Which DirectML route drives an integrated GPU here, and so which exported formats it takes.
 
-DirectML is reached two ways (SPEC section 4): ONNX Runtime's DirectML build in
+DirectML is reached two ways (docs/igpu-npu-facts.md): ONNX Runtime's DirectML build in
 a native Windows Python, which executes ONNX graphs, and torch-directml in a
 Linux Python under WSL, which executes a torch export. The route that resolves
 decides the format set. Routes resolve through the core's shared mechanism
@@ -16,19 +16,17 @@ from collections.abc import Callable
 from edge_core.routes import Resolution, Route
 from edge_core.routes import resolve as resolve_routes
 
-#: fp32 throughput measured on a Ryzen AI laptop (SPEC section 4), TFLOP/s:
-#: DirectML under WSL against the CPU it shares memory with. The DirectML route
-#: was *slower*, so routes are ranked and the WSL route carries that finding
-#: instead of being assumed faster than the CPU. Evidence B there, E elsewhere.
+#: fp32 TFLOP/s on a Ryzen AI laptop, DirectML under WSL against the CPU it shares memory with
+#: (docs/igpu-npu-facts.md, 'Two routes to DirectML, ranked'): the WSL route was *slower*, so it
+#: ranks last and carries the finding. Evidence B there, E elsewhere.
 WSL_DML_FP32_TFLOPS = 1.23
 SAME_HOST_CPU_FP32_TFLOPS = 1.54
 
 #: ONNX Runtime's name for the DirectML execution provider.
 DML_PROVIDER = "DmlExecutionProvider"
 
-#: Routes in measured preference order. ONNX Runtime's DirectML EP is the
-#: maintained path; torch-directml under WSL ranks last because it measured
-#: slower than the CPU.
+#: Routes in preference order. ONNX Runtime's DirectML EP is the maintained path;
+#: torch-directml under WSL ranks last because it ran slower than the CPU.
 ROUTES: tuple[Route, ...] = (
     Route(
         backend="ort:dml",

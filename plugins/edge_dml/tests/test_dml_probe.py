@@ -129,7 +129,7 @@ def test_wsl_with_torch_directml_resolves_the_torch_route(tmp_path, installed):
     assert device.device_id == "gpu_integrated:dxg" and device.vendor == "unknown"
     assert device.runnable and device.backend == "torch:dml"
     assert device.weight_formats == ("pt:fp16", "pt:fp32")
-    # The ranking's evidence travels with the device: this route measured slower than the CPU.
+    # The ranking's evidence travels with the device: this route ran slower than the CPU.
     assert "1.23 vs 1.54" in device.extras["route_note"]
 
 

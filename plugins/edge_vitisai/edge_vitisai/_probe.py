@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 DEVICE_ID = "npu:amd"
 BACKEND = "ort:vitisai"
 #: XDNA2 executes 16-bit-activation, 8-bit-weight graphs; fp32 and A8W8 graphs
-#: are accepted by the runtime but every node silently stays on the CPU (SPEC 4).
+#: are accepted by the runtime but every node silently stays on the CPU (docs/igpu-npu-facts.md).
 FORMATS = ("onnx:a16w8",)
 DRIVER = "amdxdna"
 
@@ -240,7 +240,7 @@ def verify(device: Device, ort: Any = None) -> Device:
 
     This imports onnxruntime (the only place that does). A listed EP still
     proves no placement: graphs it cannot take run on the CPU silently, which
-    only a measured stage shows.
+    only a stage's profiled placement shows.
     """
     if ort is None:
         try:

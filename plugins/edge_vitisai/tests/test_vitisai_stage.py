@@ -1,4 +1,4 @@
-"""edge-vitisai's graph stages on a machine with no NPU: the format gate, routes, and measured placement.
+"""edge-vitisai's graph stages on a machine with no NPU: the format gate, routes, and profiled placement.
 
 The NPU is made "present" by the probe reading a fake ``/sys`` tree (amdxdna
 bound, the VitisAI runtime in installed metadata). The stage then runs for real
@@ -100,7 +100,7 @@ def test_a16w8_stage_passes_the_format_gate_and_is_declined_once_profiling_shows
     placement = record["placement"]
     assert placement["kernels"] == details["kernels_by_provider"][CPU_EP]
     assert {node["provider"] for node in placement["nodes"]} == {CPU_EP}
-    # The outputs themselves are fine: only measured placement can tell (SPEC section 4).
+    # The outputs themselves are fine: only the profiled placement can tell (docs/igpu-npu-facts.md).
     assert record["numeric_gate"]["passed"]
     assert record["stopped"] is True
     text = describe_stage_record(record)
