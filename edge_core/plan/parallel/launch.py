@@ -63,7 +63,6 @@ def _ranges(cpus: Iterable[int]) -> str:
     return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
-
 def launch_env(device: Device, layout: Layout, session: SessionSpec, facts: Mapping[str, HostFacts | None],
                devices: list[Device]) -> tuple[dict[str, str], str | None]:
     """The environment rank 0's host sets before vLLM starts, and a note when the cards cannot be named.
@@ -170,7 +169,6 @@ def node_commands(hosts: list[str], model: str, layout: Layout, device_files: li
                      "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
                      "command": f"{env + ' ' if env else ''}vllm serve {model} {vllm_flags(kwargs)}"})
     return rows
-
 
 
 def node_edge_commands(request: ParallelRequest, layout: Layout, model: str, command: str = "serve") -> list[dict[str, Any]]:

@@ -78,7 +78,6 @@ class DeviceShare:
                 "weight_bytes": self.weight_bytes, "rank_weight_bytes": self.rank_weight_bytes}
 
 
-
 @dataclass(frozen=True)
 class RankBudget:
     """One rank of an admitted or refused parallel layout, for the plan's ``parallel.ranks``."""

@@ -31,7 +31,6 @@ _KV_PROJ = (".k_proj.", ".v_proj.")
 _FUSED_QKV = (".qkv_proj.", ".query_key_value.", ".Wqkv.", ".c_attn.")
 
 
-
 @dataclass(frozen=True)
 class TensorRoles:
     """The checkpoint's bytes by role and layer: the one pass over the tensors every layout reuses."""
