@@ -19,7 +19,7 @@ The engine does not slow down for a slow reader: vLLM decodes to
 ``max_tokens`` whatever the consumer does. Deltas wait in a per-request queue
 (a few dozen bytes per token, so at most ``max_tokens`` small items) and are
 merged into one event when several are waiting; the consumer-facing bound is
-:class:`~edge_core.stream.BoundedStream`, which :class:`~edge_core.stream.StreamRun`
+:class:`~edge_core.runtime.stream_queue.BoundedStream`, which :class:`~edge_core.runtime.stream_run.StreamRun`
 pumps this iterator into.
 """
 

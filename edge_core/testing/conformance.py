@@ -53,7 +53,8 @@ from ..hookspecs import API_VERSION, BROADCAST_HOOKS, OWNER_HOOKS
 from ..host import HostFacts, NumaNode, read_host
 from ..plan import STAGE_ONLY_KINDS, SessionSpec, candidate_order, make_plan, resolve_session
 from ..registry import ENTRY_POINT_GROUP, HEALTHY, LOADED, Registry
-from ..stream import DeltaEvent, StageRequest, StateHandle, StreamRun
+from ..runtime.stream_run import StreamRun
+from ..stream import DeltaEvent, StageRequest, StateHandle
 
 #: Modules a backend must not import while being imported or probed: each costs
 #: seconds, and ``edge devices`` answers in well under one.
