@@ -88,7 +88,7 @@ class EdgeSide:
         return time.perf_counter() - started
 
     def _run(self, request):
-        from edge_core.stream import StreamRun
+        from edge_core.runtime.stream_run import StreamRun
 
         stage = self.stage
         events = self.registry.call_owner(self.device, "stream", stage=stage, request=request)

@@ -560,7 +560,8 @@ def test_a_graph_onnx_runtime_cannot_load_is_a_refusal_not_a_traceback(graphs, r
 # ---------------------------------------------------------------- the stage hooks
 
 def test_stage_hooks_stream_one_tensor_event_and_cancel_cleanly(graphs, registry):
-    from edge_core.stream import StageRequest, StateHandle, StreamRun
+    from edge_core.runtime.stream_run import StreamRun
+    from edge_core.stream import StageRequest, StateHandle
 
     stage_plan = plan(graphs["fp32"], [cpu_provider_device()], registry)
     device = stage_plan.selected_device

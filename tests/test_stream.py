@@ -16,16 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from edge_core.errors import StageError
-from edge_core.stream import (
-    CANCEL_MEMORY_NOTE,
-    BoundedStream,
-    DeltaEvent,
-    SequenceChecker,
-    StageRequest,
-    StateHandle,
-    StreamRun,
-    new_request_id,
-)
+from edge_core.runtime.stream_queue import BoundedStream, SequenceChecker
+from edge_core.runtime.stream_run import StreamRun
+from edge_core.stream import CANCEL_MEMORY_NOTE, DeltaEvent, StageRequest, StateHandle, new_request_id
 
 #: Hang guard for every blocking wait in this file; never reached when the code is right.
 HANG_GUARD_S = 30.0

@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from edge_core.errors import StageError
-from edge_core.stream import DeltaEvent, StageRequest, StreamRun
+from edge_core.runtime.stream_run import StreamRun
+from edge_core.stream import DeltaEvent, StageRequest
 
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 REAL_ENGINE = [

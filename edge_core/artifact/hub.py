@@ -7,7 +7,7 @@ wins; else the Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``,
 ``HF_ENDPOINT``, unless ``HF_HUB_OFFLINE`` is set.
 
 From the Hub nothing is downloaded but the small JSON files the reader needs
-and each safetensors file's *header*, by HTTP range requests. They are written
+and each safetensors file's *header*, by HTTP range requests (:mod:`.hub_fetch`). They are written
 to edge's metadata cache (``$XDG_CACHE_HOME/edge/hub``, laid out like the
 Hugging Face cache) as a snapshot of header-only files: each shard holds its
 real header and is then extended, as a sparse hole, to the size the Hub
@@ -40,7 +40,7 @@ from typing import Any
 from ..errors import ArtifactError, UsageError
 from .checkpoint import INDEX_NAME, MODELOPT_CONFIG_NAME, PICKLE_REMEDY, PICKLE_SUFFIXES
 from .config import CONFIG_NAME
-from .header import MAX_HEADER_BYTES
+from .hub_fetch import RangeFetcher, remote_header, time_left
 
 #: Seconds the Hub may take to answer all one decision asks (info, small files, every header) before edge gives up:
 #: a total (huggingface_hub retries a timed-out request), from the first request, ``EDGE_HUB_TIMEOUT`` overrides it.
@@ -53,12 +53,8 @@ DEADLINE_SLACK_S = 0.25
 REF_TTL_S = 3600.0
 #: Header reads in flight at once (a 30-shard checkpoint is read in 4 rounds on loopback, not 30).
 FETCH_THREADS = 8
-#: The first range read of a shard: the length prefix and, for most checkpoints, the whole header.
-FIRST_READ_BYTES = 64 * 1024
 #: JSON files the reader (and the engine's tokenizer) may need for a plan; fetched when the repo has them.
 PLAN_FILES = (CONFIG_NAME, INDEX_NAME, MODELOPT_CONFIG_NAME, "generation_config.json", "tokenizer_config.json")
-#: A small file bigger than this is not a config (the reader's own JSON bound is larger; this is the wire's).
-MAX_SMALL_FILE_BYTES = 16 * 1024 * 1024
 #: What :func:`download` fetches besides the weights: what vLLM reads to start a text model.
 ENGINE_FILE_PATTERNS = (
     "*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges.txt",
@@ -345,7 +341,7 @@ def _within_deadline(repo: str, revision: str | None, settings: HubSettings, dea
                      ask: Any) -> ModelSource:
     """``ask(deadline)`` in a daemon thread; ``hub_unreachable`` once ``deadline`` has passed.
 
-    Each request inside is bounded by what is left (:func:`_left`), so a request
+    Each request inside is bounded by what is left (:func:`~.hub_fetch.time_left`), so a request
     still waiting when the decision has returned ends soon after; the thread is
     a daemon, so it never holds the process's exit.
     """
@@ -367,16 +363,11 @@ def _within_deadline(repo: str, revision: str | None, settings: HubSettings, dea
     raise _unreachable(repo, revision, settings, TimeoutError("no complete answer"))
 
 
-def _left(deadline: float) -> float:
-    """Seconds a request may still take before ``deadline`` (at least 0.05)."""
-    return max(deadline - time.monotonic(), 0.05)
-
-
 def _ask_hub(repo: str, revision: str | None, settings: HubSettings, deadline: float) -> ModelSource:
     hub = _hub_modules()
     api = hub.HfApi(endpoint=settings.endpoint)
     try:
-        info = api.model_info(repo, revision=revision, files_metadata=True, timeout=_left(deadline))
+        info = api.model_info(repo, revision=revision, files_metadata=True, timeout=time_left(deadline))
     except _transport_errors() as exc:
         if isinstance(exc, hub.errors.HfHubHTTPError):
             refusal = _refusal_for(exc, repo, revision)
@@ -418,77 +409,13 @@ def _write_ref(root: Path, repo: str, revision: str | None, commit: str) -> None
     os.replace(tmp, target)
 
 
-class _Fetcher:
-    """Bounded GETs over huggingface_hub's own HTTP session (its auth headers, its proxies)."""
-
-    def __init__(self, repo: str, commit: str, settings: HubSettings, deadline: float):
-        from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import build_hf_headers, get_session
-
-        self.repo, self.commit, self.settings, self.fetched = repo, commit, settings, 0
-        self.deadline = deadline
-        self._count = threading.Lock()
-        self.session = get_session()
-        self.headers = build_hf_headers()
-        self.hf_hub_url = hf_hub_url
-
-    def url(self, name: str) -> str:
-        return str(self.hf_hub_url(self.repo, name, revision=self.commit, endpoint=self.settings.endpoint))
-
-    def get(self, name: str, first: int | None = None, last: int | None = None,
-            limit: int = MAX_SMALL_FILE_BYTES) -> tuple[bytes, int | None]:
-        """The bytes of ``name`` (``first``..``last`` inclusive when given) and the file's total size if said.
-
-        A range answered with anything but 206, or with more bytes than asked for,
-        is refused after at most one chunk past the bound: never buffered.
-        """
-        from huggingface_hub.utils import hf_raise_for_status
-
-        headers = dict(self.headers)
-        ranged = False
-        if first is not None and last is not None:
-            ranged = True
-            headers["Range"] = f"bytes={first}-{last}"
-            limit = last - first + 1
-        with self.session.stream("GET", self.url(name), headers=headers, timeout=_left(self.deadline),
-                                 follow_redirects=True) as response:
-            if response.status_code >= 400:
-                response.read()
-                hf_raise_for_status(response)
-            if ranged and response.status_code != 206:
-                raise self._hostile(name, f"answered {response.status_code} to a request for bytes {first}-{last} "
-                                    "(it ignores HTTP ranges and would send the whole file)")
-            declared = response.headers.get("Content-Length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise self._hostile(name, f"announces {declared} bytes where at most {limit} were asked for")
-            body = bytearray()
-            for chunk in response.iter_bytes():
-                body += chunk
-                with self._count:
-                    self.fetched += len(chunk)
-                if len(body) > limit:
-                    raise self._hostile(name, f"sent more than the {limit} bytes asked for")
-            total = _content_range_total(response.headers.get("Content-Range"))
-        return bytes(body), total
-
-    def _hostile(self, name: str, what: str) -> ArtifactError:
-        return ArtifactError("artifact_invalid", f"{self.settings.endpoint} {what} for {self.repo}/{name}; "
-                             "edge stopped reading", "use an endpoint that serves HTTP ranges (the Hub and its "
-                             "mirrors do), or download the model and pass its directory", None)
-
-
-def _content_range_total(value: str | None) -> int | None:
-    match = re.match(r"^bytes \d+-\d+/(\d+)$", (value or "").strip())
-    return int(match.group(1)) if match else None
-
-
 def _fetch_headers(repo: str, revision: str | None, commit: str, info: Any, settings: HubSettings,
                    deadline: float) -> ModelSource:
     sizes = {s.rfilename: s.size for s in (info.siblings or [])}
     if CONFIG_NAME not in sizes:
         raise ArtifactError("config_unreadable", f"{repo} has no config.json at {commit[:12]}",
                             "edge plans Hugging Face-format checkpoints (config.json + safetensors)", None)
-    fetcher = _Fetcher(repo, commit, settings, deadline)
+    fetcher = RangeFetcher(repo, commit, settings, deadline)
     try:
         small = {name: fetcher.get(name)[0] for name in PLAN_FILES if name in sizes}
         if INDEX_NAME in small:
@@ -510,7 +437,7 @@ def _fetch_headers(repo: str, revision: str | None, commit: str, info: Any, sett
 
         wanted = [name for name in weights if name in sizes]
         with ThreadPoolExecutor(max_workers=FETCH_THREADS) as pool:
-            headers = dict(zip(wanted, pool.map(lambda name: _remote_header(fetcher, name, sizes.get(name)), wanted)))
+            headers = dict(zip(wanted, pool.map(lambda name: remote_header(fetcher, name, sizes.get(name)), wanted)))
     except _transport_errors() as exc:
         from huggingface_hub import errors as hf
 
@@ -544,30 +471,6 @@ def _fetch_headers(repo: str, revision: str | None, commit: str, info: Any, sett
     return ModelSource(kind="hub", path=str(target), repo=repo, revision=revision, commit=commit,
                        weights_present=False, fetched_bytes=fetcher.fetched, remote_bytes=remote,
                        weight_files=tuple(weights))
-
-
-def _remote_header(fetcher: _Fetcher, name: str, listed: int | None) -> tuple[bytes, int]:
-    """A shard's length prefix and header, and its total size; refused when the header lies about either."""
-    first_last = FIRST_READ_BYTES - 1 if not listed else min(FIRST_READ_BYTES, int(listed)) - 1
-    head, total = fetcher.get(name, 0, max(first_last, 7))
-    total = total if total is not None else listed
-    if total is None or len(head) < 8:
-        raise ArtifactError("artifact_invalid", f"{fetcher.repo}/{name}: the server did not say the file's size, "
-                            "or sent fewer than 8 bytes", "download the model and pass its directory", None)
-    if listed is not None and int(listed) != total:
-        raise ArtifactError("artifact_invalid", f"{fetcher.repo}/{name}: the Hub lists {listed} bytes but serves "
-                            f"{total}", "download the model and pass its directory", None)
-    length = int.from_bytes(head[:8], "little")
-    if length > MAX_HEADER_BYTES:
-        raise ArtifactError("artifact_invalid", f"{fetcher.repo}/{name} claims a {length}-byte header "
-                            f"(limit {MAX_HEADER_BYTES})", "the file is not a valid safetensors file", None)
-    if 8 + length > total:
-        raise ArtifactError("artifact_invalid", f"{fetcher.repo}/{name} claims a {length}-byte header but the file "
-                            f"is only {total} bytes", "the file is not a valid safetensors file", None)
-    if len(head) < 8 + length:
-        rest, _ = fetcher.get(name, len(head), 8 + length - 1)
-        head += rest
-    return head[: 8 + length], total
 
 
 # --------------------------------------------------------------------------- downloads

@@ -12,10 +12,11 @@ Modules: :mod:`.admission` (which plan a command runs, admitted on this
 host), :mod:`.session`, :mod:`.accept`, :mod:`.parity`, :mod:`.graph_run`
 (what a command runs); :mod:`.vllm_stage`, :mod:`.ort_stage` (the two stage
 runtimes backends share); :mod:`.env` (the engine's environment),
-:mod:`.numa` (NUMA node preparation), :mod:`.processes` (process groups and
-reaping), :mod:`.reaper` (each session's marker, and the reaper that ends its
-engine processes when edge is killed), :mod:`.measure` (the process-tree
-memory sampler).
+:mod:`.numa` (NUMA node preparation), :mod:`.stream_run` and
+:mod:`.stream_queue` (one request driven through a bounded stream),
+:mod:`.processes` (process groups and reaping), :mod:`.reaper` (each
+session's marker, and the reaper that ends its engine processes when edge is
+killed), :mod:`.measure` (the process-tree memory sampler).
 """
 
 from typing import TYPE_CHECKING

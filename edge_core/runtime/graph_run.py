@@ -27,9 +27,10 @@ from ..errors import EdgeError, StageError, UsageError
 from ..plan.graph_stage import DEFAULT_NUMERIC_TOLERANCE, EXPORT_SCRIPT
 from ..plan.ledger import STAGE_COMMAND, check_committed, ledger_bytes
 from ..plan.types import Refusal
-from ..stream import StageRequest, StreamRun
+from ..stream import StageRequest
 from . import ort_stage
 from .measure import read_pss_bytes
+from .stream_run import StreamRun
 
 if TYPE_CHECKING:
     from ..artifact import Manifest
@@ -161,7 +162,7 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
     """Run an admitted graph-stage plan once and return the placement and numeric-gate record.
 
     Goes through the owning backend's hooks (``start_stage``, ``stream``,
-    ``cancel``, ``stop_stage``) and the core's :class:`~edge_core.stream.StreamRun`.
+    ``cancel``, ``stop_stage``) and the core's :class:`~edge_core.runtime.stream_run.StreamRun`.
     ``inputs`` default to deterministic samples (``seed``) shaped by the graph.
     ``executor_providers`` replaces the providers the session runs with while
     the placement target stays the route's provider (a stand-in: the record

@@ -17,7 +17,7 @@ skips step 4):
 4. ``start_stage`` with SIGTERM and SIGHUP routed through the Ctrl-C path, so
    every way of stopping edge that edge can see cancels, stops and reports;
 5. requests through :class:`Consumer` (the core's bounded, fenced
-   :class:`~edge_core.stream.StreamRun`), timed;
+   :class:`~edge_core.runtime.stream_run.StreamRun`), timed;
 6. ``stop_stage`` with Ctrl-C held off, the reaper ended, then the budget against every counter
    it covers (:func:`memory_record`).
 
@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import StageError
 from ..host_ledger import set_state
-from ..stream import StreamRun
 from .env import versions
 from .logs import EngineLog
 from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler, compare
 from .reaper import SessionReaper
+from .stream_run import StreamRun
 
 if TYPE_CHECKING:
     from ..devices import Device

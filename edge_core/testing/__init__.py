@@ -9,14 +9,15 @@ class TestMyBackendConformance(BackendConformance):
     plugin_name = "mybackend"      # the entry-point name in edge.backends
 ```
 
-``write_fake_vllm_models`` writes a cut vLLM source tree for gates that read
+``fake_hosts`` are hosts unlike this one (:mod:`.hosts`); ``write_fake_vllm_models`` writes a cut vLLM source tree for gates that read
 vLLM's model registry (:mod:`edge_core.vllm_source`).
 
 Needs pytest (``pip install 'edge-core[test]'``); nothing here is imported by
 the ``edge`` command.
 """
 
-from .conformance import FOREIGN_PLUGIN, HEAVY_MODULES, BackendConformance, fake_hosts
+from .conformance import HEAVY_MODULES, BackendConformance
+from .hosts import FOREIGN_PLUGIN, fake_hosts
 from .vllm_tree import FAKE_VLLM_MODELS, write_fake_vllm_models
 
 __all__ = ["FAKE_VLLM_MODELS", "FOREIGN_PLUGIN", "HEAVY_MODULES", "BackendConformance", "fake_hosts",

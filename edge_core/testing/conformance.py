@@ -34,7 +34,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,148 +47,37 @@ except ImportError as exc:  # pragma: no cover - only without the test extra
 
 from ..artifact import DEMO_MODEL, read_manifest
 from ..budget import LIFETIMES, Reservation
-from ..devices import EVIDENCE, KINDS, POOLS, Device
+from ..devices import EVIDENCE, POOLS, Device
 from ..hookspecs import API_VERSION, BROADCAST_HOOKS, OWNER_HOOKS
-from ..host import HostFacts, NumaNode, read_host
+from ..host import HostFacts, read_host
 from ..plan import STAGE_ONLY_KINDS, SessionSpec, candidate_order, make_plan, resolve_session
 from ..registry import ENTRY_POINT_GROUP, HEALTHY, LOADED, Registry
-from ..stream import DeltaEvent, StageRequest, StateHandle, StreamRun
+from ..runtime.stream_run import StreamRun
+from ..stream import DeltaEvent, StageRequest, StateHandle
+from .hosts import FOREIGN_PLUGIN, POOL_OF_KIND, fake_hosts, foreign_devices
+from .stage_env import StageEnv, live_children, non_daemon_threads
 
 #: Modules a backend must not import while being imported or probed: each costs
 #: seconds, and ``edge devices`` answers in well under one.
 HEAVY_MODULES = ("torch", "vllm", "transformers", "onnxruntime", "torch_directml", "tensorflow", "jax")
 
-#: The plugin name stamped on devices the backend did not report.
-FOREIGN_PLUGIN = "conformance-foreign"
-
 #: Reservation purposes the core reserves itself; a backend term with one of
 #: these names would count the same bytes twice.
 CORE_PURPOSES = ("weights", "kv_cache", "activations", "external_reserve", "safety_margin")
 
-#: Format names of SPEC section 4, for asking a backend about formats its device lacks.
+#: Format names edge knows, for asking a backend about formats its device lacks.
 KNOWN_FORMATS = (
     "dense", "compressed-tensors:int8", "compressed-tensors:fp8", "compressed-tensors:w4a16", "gptq", "awq",
     "fp8", "modelopt_fp4", "bitsandbytes", "onnx:fp32", "onnx:fp16", "onnx:a16w8", "pt:fp32", "pt:fp16",
 )
-
-#: Kinds whose memory pool is fixed by SPEC section 3.
-POOL_OF_KIND = {"cpu": "host_ram", "gpu_integrated": "host_ram", "npu": "host_ram", "gpu_discrete": "vram"}
-
-#: The multiprocessing helpers Python itself keeps for the life of the parent
-#: (the resource tracker, the forkserver); they are not the stage's processes.
-_PYTHON_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-
-_GIB = 1 << 30
-
-
-def fake_hosts() -> dict[str, HostFacts]:
-    """Hosts unlike the one the tests run on: the probe must answer for each without raising."""
-    return {
-        "bare-riscv": HostFacts(
-            system="linux", mem_total_bytes=1 * _GIB, mem_available_bytes=_GIB // 2, cgroup_limit_bytes=None,
-            cgroup_usage_bytes=None, logical_cores=1, physical_cores=1, cpu_model="", machine="riscv64",
-        ),
-        "windows-laptop": HostFacts(
-            system="windows", mem_total_bytes=32 * _GIB, mem_available_bytes=20 * _GIB, cgroup_limit_bytes=None,
-            cgroup_usage_bytes=None, logical_cores=24, physical_cores=12, cpu_model="AMD Ryzen AI 9 HX 370",
-            machine="AMD64", isa_flags=("avx2", "avx512f", "avx512_bf16"),
-        ),
-        "wsl-two-sockets-cgroup": HostFacts(
-            system="linux", mem_total_bytes=64 * _GIB, mem_available_bytes=60 * _GIB, cgroup_limit_bytes=4 * _GIB,
-            cgroup_usage_bytes=_GIB, logical_cores=8, physical_cores=4, cpu_model="Intel(R) Xeon(R)",
-            machine="x86_64", isa_flags=("avx2",), is_wsl=True,
-            numa_nodes=(NumaNode(0, 32 * _GIB, 30 * _GIB, (0, 1, 2, 3)), NumaNode(1, 32 * _GIB, 30 * _GIB, (4, 5, 6, 7))),
-        ),
-    }
 
 
 def _demo_model() -> Path:
     return DEMO_MODEL
 
 
-def _foreign_devices() -> list[Device]:
-    """One device of every kind, reported by a plugin that is not the one under test."""
-    out = []
-    for kind in KINDS:
-        pool = POOL_OF_KIND[kind]
-        out.append(Device(
-            device_id=f"{kind}:conformance-foreign", kind=kind, vendor="foreign", name=f"foreign {kind}",
-            backend="foreign:runtime", runnable=True, memory_pool=pool,
-            memory_bytes=0 if kind in ("gpu_integrated", "npu") else 8 * _GIB,
-            weight_formats=("dense", "onnx:fp16"), evidence={"found": "D"}, plugin=FOREIGN_PLUGIN,
-        ))
-    return out
-
-
 def _json_roundtrip(data: Any) -> Any:
     return json.loads(json.dumps(data))
-
-
-def _live_children(exclude: set[int]) -> list[Any]:
-    """This process's descendants that still run, minus Python's own helpers and ``exclude``."""
-    import psutil
-
-    alive = []
-    for child in psutil.Process().children(recursive=True):
-        if child.pid in exclude:
-            continue
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            cmdline = " ".join(child.cmdline())
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if any(helper in cmdline for helper in _PYTHON_HELPERS):
-            continue
-        alive.append(child)
-    return alive
-
-
-def _non_daemon_threads(exclude: set[int]) -> list[threading.Thread]:
-    return [t for t in threading.enumerate()
-            if t.is_alive() and not t.daemon and t is not threading.main_thread() and t.ident not in exclude]
-
-
-class _StageEnv:
-    """One class's stage: the registry, the device it was planned on, and the handle once started."""
-
-    def __init__(self, registry: Registry, name: str, host: HostFacts, devices: list[Device], device: Device,
-                 plan: Any) -> None:
-        self.registry = registry
-        self.name = name
-        self.host = host
-        self.devices = devices
-        self.device = device
-        self.plan = plan
-        self.handle: Any = None
-        self.stopped = False
-        self.children_before: set[int] = set()
-        self.threads_before: set[int] = set()
-
-    def call(self, hook: str, **kwargs: Any) -> Any:
-        return self.registry.call_owner(self.device, hook, **kwargs)
-
-    def started(self) -> Any:
-        """The running stage, started on first use (and again if a check stopped it)."""
-        if self.handle is None or self.stopped:
-            import psutil
-
-            self.children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-            self.threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
-            self.call("prepare_stage", plan=self.plan, progress=None)  # optional hook: None when absent
-            self.handle = self.call("start_stage", plan=self.plan)
-            self.stopped = False
-            assert self.handle is not None, (
-                f"plugin {self.name!r} start_stage returned None for {self.device.device_id}: "
-                "it must return a stage handle (or raise with a reason)"
-            )
-        return self.handle
-
-    def stop(self) -> Any:
-        if self.handle is None or self.stopped:
-            return None
-        self.stopped = True
-        return self.call("stop_stage", stage=self.handle)
 
 
 class BackendConformance:
@@ -415,7 +303,7 @@ class BackendConformance:
         args = {"manifest": manifest, "session": session, "host": host, "reservations": [],
                 "weight_format": "compressed-tensors:int8", "share": None}
         caller = getattr(registry.pm.hook, hook)
-        for foreign in _foreign_devices():
+        for foreign in foreign_devices():
             kwargs = {name: args[name] for name in caller.spec.argnames if name != "device"}
             answer = caller(device=foreign, **kwargs)
             assert answer is None, (
@@ -496,10 +384,10 @@ class BackendConformance:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def stage_env(cls) -> Iterator[_StageEnv]:
+    def stage_env(cls) -> Iterator[StageEnv]:
 
         registry, record = cls._fresh_registry()
-        env: _StageEnv | None = None
+        env: StageEnv | None = None
         try:
             if "start_stage" not in record.hooks:
                 pytest.skip(f"plugin {record.name!r} does not run stages (no start_stage hook)")
@@ -511,7 +399,7 @@ class BackendConformance:
                 plan = make_plan(model, session=SessionSpec(max_model_len=cls.stage_max_model_len),
                                  devices=[device], host=host, registry=registry)
                 if plan.admitted:
-                    env = _StageEnv(registry, record.name, host, devices, device, plan)
+                    env = StageEnv(registry, record.name, host, devices, device, plan)
                     break
                 refused += [f"[{r.code}] {r.message} (remedy: {r.remedy})" for r in plan.refusals]
             if env is None:
@@ -528,7 +416,7 @@ class BackendConformance:
         return StageRequest(prompt=self.stage_prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             **changes)
 
-    def _run(self, env: _StageEnv, request: StageRequest, **bounds: Any) -> StreamRun:
+    def _run(self, env: StageEnv, request: StageRequest, **bounds: Any) -> StreamRun:
         stage = env.started()
         events = env.call("stream", stage=stage, request=request)
         assert events is not None, f"plugin {env.name!r} stream returned None"
@@ -540,7 +428,7 @@ class BackendConformance:
 
     @pytest.mark.slow
     @pytest.mark.engine
-    def test_hook_start_stage_reports_the_device_that_executed_it(self, stage_env: _StageEnv) -> None:
+    def test_hook_start_stage_reports_the_device_that_executed_it(self, stage_env: StageEnv) -> None:
         stage = stage_env.started()
         executed_on = getattr(stage, "executed_on", None)
         probed = list(stage_env.registry.records[stage_env.name].device_ids)
@@ -557,7 +445,7 @@ class BackendConformance:
 
     @pytest.mark.slow
     @pytest.mark.engine
-    def test_hook_stream_yields_delta_events_in_sequence(self, stage_env: _StageEnv) -> None:
+    def test_hook_stream_yields_delta_events_in_sequence(self, stage_env: StageEnv) -> None:
         # A non-zero epoch: the backend must carry the request's epoch, not assume 0.
         request = self._request(self.stage_max_tokens, epoch=3)
         events = self._run(stage_env, request).collect(idle_timeout_s=self.stage_idle_timeout_s)
@@ -580,7 +468,7 @@ class BackendConformance:
 
     @pytest.mark.slow
     @pytest.mark.engine
-    def test_greedy_decoding_repeats(self, stage_env: _StageEnv) -> None:
+    def test_greedy_decoding_repeats(self, stage_env: StageEnv) -> None:
         runs = [self._run(stage_env, self._request(self.stage_max_tokens)).collect(self.stage_idle_timeout_s)
                 for _ in range(2)]
         first, second = ([t for e in events for t in e.token_ids] for events in runs)
@@ -588,7 +476,7 @@ class BackendConformance:
 
     @pytest.mark.slow
     @pytest.mark.engine
-    def test_hook_cancel_retires_the_epoch_and_is_idempotent(self, stage_env: _StageEnv) -> None:
+    def test_hook_cancel_retires_the_epoch_and_is_idempotent(self, stage_env: StageEnv) -> None:
         request = self._request(self.cancel_max_tokens, epoch=1)
         # One event of room: after the first is read, the producer fills the queue and
         # blocks, so the request is provably still open when cancel runs.
@@ -619,15 +507,15 @@ class BackendConformance:
 
     @pytest.mark.slow
     @pytest.mark.engine
-    def test_hook_stop_stage_leaves_nothing_running(self, stage_env: _StageEnv) -> None:
+    def test_hook_stop_stage_leaves_nothing_running(self, stage_env: StageEnv) -> None:
         stage_env.started()
         children_before, threads_before = stage_env.children_before, stage_env.threads_before
         stopped = stage_env.stop()
         assert stopped is True, f"stop_stage must return True once everything is gone, got {stopped!r}"
-        left = _live_children(children_before)
+        left = live_children(children_before)
         assert not left, "stop_stage left processes running: " + ", ".join(
             f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in left)
-        threads = _non_daemon_threads(threads_before)
+        threads = non_daemon_threads(threads_before)
         assert not threads, f"stop_stage left non-daemon threads: {[t.name for t in threads]}"
 
 

