@@ -12,6 +12,7 @@ indented), and broken at the byte level as well as field by field.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -94,7 +95,8 @@ def mutated_headers(draw):
     names = list(entries)
     for _ in range(draw(st.integers(0, 2))):
         victim = entries[draw(st.sampled_from(names))]
-        field, value = draw(fields), draw(odd_values)
+        # a copy: sampled_from hands out the same list each time, and one put inside itself cannot be dumped
+        field, value = draw(fields), copy.deepcopy(draw(odd_values))
         if "[" in field:
             key, index = field[:-3], int(field[-2])
             if isinstance(victim.get(key), list) and len(victim[key]) > index:
