@@ -232,3 +232,68 @@ def test_a_head_stopped_while_gathering_tells_the_nodes_already_there():
     assert isinstance(head.error, KeyboardInterrupt)
     assert isinstance(other.error, NodeError) and other.error.code == "head_stopped"
     assert other.error.exit_code == EXIT_REFUSED
+
+
+#: A head in its own process: registered in the ledger (so ``edge stop`` finds it), joined, and stopped the way
+#: ``edge serve`` and ``edge run`` are: SIGTERM through TerminationAsInterrupt, SIGINT as Python's Ctrl-C.
+HEAD_PROCESS = """
+import json, sys, time
+from types import SimpleNamespace
+from edge_core.host_ledger import admission
+from edge_core.runtime.nodes import joined
+from edge_core.runtime.session import TerminationAsInterrupt
+
+port = int(sys.argv[1])
+node = {"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": port, "ranks": [0],
+        "headless": False}
+kwargs = {"model": "/m", "tensor_parallel_size": 2, "pipeline_parallel_size": 1, "nnodes": 2, "node_rank": 0,
+          "master_addr": "127.0.0.1", "master_port": port, "max_model_len": 512}
+plan = SimpleNamespace(parallel={"node": node}, manifest=SimpleNamespace(artifact_id="a1"), engine_kwargs=kwargs,
+                       backend="vllm:cpu", admitted=True, refusals=())
+with admission() as taken:
+    taken.register(command="edge serve (node 0 of 2, rank 0)", model="/m", artifact_id="a1", device_ids=("cpu",),
+                   reserved_bytes={}, predicted_peak_bytes=0, headroom_bytes=0)
+with joined(plan, json.loads(sys.argv[2])):
+    with TerminationAsInterrupt():
+        try:
+            print("serving", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt as exc:  # the server's stop: drain, shut down, return the record
+            print("stopped by", exc or "SIGINT", flush=True)
+"""
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "edge stop"])
+def test_every_way_of_stopping_the_head_ends_the_other_node(stop, tmp_path, monkeypatch):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from edge_core.cli import main
+
+    monkeypatch.setenv("EDGE_LEDGER_DIR", str(tmp_path))
+    port = free_master_port()
+    head = subprocess.Popen([sys.executable, "-c", HEAD_PROCESS, str(port), json.dumps(BUILDS)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "EDGE_LEDGER_DIR": str(tmp_path)})
+    try:
+        other = Node(node_plan(1, port))
+        other.start()
+        assert other.joined.wait(20) and other.error is None
+        assert head.stdout is not None and head.stdout.readline().strip() == "serving"
+        started = time.monotonic()
+        if stop == "edge stop":
+            assert main(["stop", str(head.pid)]) == 0  # the ledger's pid is the head's edge process
+        else:
+            head.send_signal(getattr(signal, stop))
+        assert other.ended.wait(5), "the node was not told"
+        took = time.monotonic() - started
+        assert other.line.lost is None and "the head stopped" in other.line.ended
+        assert head.wait(5) == 0 and "stopped by" in head.stdout.read()
+        assert took < 3
+        other.leave.set()
+        other.join(5)
+    finally:
+        if head.poll() is None:
+            head.kill()
