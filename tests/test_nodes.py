@@ -297,3 +297,66 @@ def test_every_way_of_stopping_the_head_ends_the_other_node(stop, tmp_path, monk
     finally:
         if head.poll() is None:
             head.kill()
+
+
+# ------------------------------------------------ edge parity across nodes: which role each node takes
+
+def parity_args(*extra: str) -> Any:
+    from edge_core.cli import build_parser
+
+    return build_parser().parse_args(["parity", "--json", "-", "--tensor-parallel-size", "2", "--nnodes", "2",
+                                      "--master-addr", "127.0.0.1", *extra])
+
+
+def test_parity_on_a_node_past_the_head_runs_its_ranks_headless(monkeypatch):
+    from edge_core.cli import run as cli_run
+
+    plan, roles = node_plan(1, 29600), []
+    monkeypatch.setattr(cli_run, "plan_here", lambda args: (plan, None, 0.0))
+    monkeypatch.setattr(cli_run, "run_node", lambda args, p, registry, plan_s, kind: roles.append((p, kind)) or 0)
+    assert cli_run.cmd_parity(parity_args("--node-rank", "1", "--master-port", "29600")) == 0
+    assert roles == [(plan, "parity")]
+
+
+def test_parity_on_the_head_runs_the_stage_joined_and_the_reference_alone_on_one_device(monkeypatch):
+    from edge_core.cli import run as cli_run
+    from edge_core.runtime import parity
+
+    plan, reference, asked = node_plan(0, 29600), SimpleNamespace(admitted=True), {}
+    plan.model_path = "/m"
+
+    class Ran(Exception):
+        pass
+
+    def run_parity(p, registry, **kwargs):
+        asked.update(kwargs, plan=p)
+        raise Ran
+
+    monkeypatch.setattr(cli_run, "plan_here", lambda args: (plan, None, 0.0))
+    monkeypatch.setattr(cli_run, "plan_from_args", lambda wanted, **kw: (asked.update(wanted=wanted) or reference,
+                                                                          None))
+    monkeypatch.setattr(parity, "run_parity", run_parity)
+    monkeypatch.setattr("edge_core.runtime.run_parity", run_parity)
+    with pytest.raises(Ran):
+        cli_run.cmd_parity(parity_args("--node-rank", "0", "--master-port", "29600"))
+    wanted = asked["wanted"]
+    assert (wanted.tensor_parallel_size, wanted.nnodes, wanted.node_rank, wanted.master_addr) == (1, 1, 0, None)
+    assert asked["plan"] is plan and asked["reference_plan"] is reference
+    assert asked["nodes"] is not None  # joined only when run_parity enters it, around edge's stage
+
+
+def test_a_head_whose_parity_plan_is_refused_tells_the_waiting_node(monkeypatch):
+    from edge_core.cli import run as cli_run
+
+    port = free_master_port()
+    other = Node(node_plan(1, port))
+    other.start()
+    refused = node_plan(0, port, refused="needs 2.1 GiB, 1.0 GiB free")
+    refused.parallel, refused.selected_device = None, None  # refused before its layout was built: args name the node
+    monkeypatch.setattr(cli_run, "plan_here", lambda args: (refused, None, 0.0))
+    monkeypatch.setattr(cli_run, "print_plan_beside", lambda *a, **k: None)
+    monkeypatch.setattr(cli_run, "write_document", lambda *a, **k: None)
+    monkeypatch.setattr(refused, "to_dict", lambda: {}, raising=False)
+    assert cli_run.cmd_parity(parity_args("--node-rank", "0", "--master-port", str(port))) == EXIT_REFUSED
+    other.join(5)
+    assert isinstance(other.error, NodeError) and other.error.code == "head_refused"
