@@ -373,7 +373,7 @@ def _tell_rest(listener: socket.socket, told: dict[int, socket.socket], error: N
     if ranks == others:
         return
     if say is not None:
-        say(f"edge: telling the other node{'s' if nnodes > 2 else ''} ({error.code}) for up to {NOTICE_S:.0f} s "
+        say(f"telling the other node{'s' if nnodes > 2 else ''} ({error.code}) for up to {NOTICE_S:.0f} s "
             "as they come; Ctrl-C leaves now")
     with contextlib.suppress(KeyboardInterrupt):
         for sock, theirs, where in _arrivals(listener, time.monotonic() + NOTICE_S):
@@ -382,7 +382,7 @@ def _tell_rest(listener: socket.socket, told: dict[int, socket.socket], error: N
                 ranks.add(int(theirs["node_rank"]))
             refusal = _refusal_of(theirs, where)
             if say is not None:
-                say(f"edge: told node {theirs.get('node_rank')} ({where})"
+                say(f"told node {theirs.get('node_rank')} ({where})"
                     + (f"; it refused too: {refusal.message}" if refusal is not None else ""))
             if ranks == others:
                 return
@@ -413,7 +413,7 @@ def tell_early_end(plan: Plan, builds: dict[str, str], node: dict[str, Any] | No
             listener.close()
         return None
     if say is not None:
-        say(f"edge: telling the head at {address[0]}:{address[1]} (up to {NOTICE_S:.0f} s; Ctrl-C leaves now)")
+        say(f"telling the head at {address[0]}:{address[1]} (up to {NOTICE_S:.0f} s; Ctrl-C leaves now)")
     with contextlib.suppress(KeyboardInterrupt, TimeoutError, ValueError, OSError):
         sock = _connect(address, time.monotonic() + NOTICE_S)
         if sock is None:
