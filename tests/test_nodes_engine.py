@@ -4,8 +4,9 @@ Two edge processes, each limited to one core (``taskset -c 0`` / ``-c 1``), loop
 TP 2 across them: ``edge serve --nnodes 2 --node-rank 0`` answers ``/v1/completions`` with the greedy
 token ids of a one-node run of the same layout (and of one rank): the suite's TP 2 and one-rank acceptance
 runs (conftest's ``tp2_accept``, ``demo_accept``) give those for the same prompt, greedy and ``ignore_eos``,
-so a prefix of theirs is what eight tokens must be. SIGTERM to the head ends both nodes; ``kill -9`` of node
-1's edge process ends the head with ``node_lost``. Each pair is one engine start shared by its checks.
+so a prefix of theirs is what eight tokens must be. ``edge stop`` of the head (a SIGTERM to the pid its ledger
+record names) ends both nodes; ``kill -9`` of node 1's edge process ends the head with ``node_lost``. SIGINT takes
+the same path on the side channel (tests/test_nodes.py stops a head each way, without an engine). Each pair is one engine start shared by its checks.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def first_tokens(accept: tuple[Any, dict[str, Any]]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[tuple[Pair, dict[str, Any]]]:
-    """One pair serving, its answer to the prompt, then stopped by SIGTERM to the head."""
+    """One pair serving, its answer to the prompt, then stopped by ``edge stop`` of the head."""
     tmp = tmp_path_factory.mktemp("pair")
     pair = start_pair(tmp, "served")
     try:
@@ -173,12 +174,15 @@ def test_two_nodes_serve_the_greedy_tokens_of_one_node(served, tp2_accept, demo_
     print(f"pair ready in {pair.ready_s:.1f} s")
 
 
-def test_sigterm_to_the_head_ends_both_nodes(served):
+def test_edge_stop_of_the_head_ends_both_nodes(served):
     pair, _ = served
     before = pair.tree()
     assert len(before) >= 6  # two edge processes, their reapers, and at least a worker each
     started = time.monotonic()
-    pair.head.send_signal(signal.SIGTERM)
+    stop = subprocess.run([sys.executable, "-m", "edge_core", "stop", str(pair.head.pid), "--json"],
+                          env={**os.environ, "EDGE_LEDGER_DIR": str(pair.logs / "ledger")}, capture_output=True,
+                          text=True, timeout=60)  # SIGTERM to the pid the head's ledger record names
+    assert stop.returncode == 0, stop.stdout + stop.stderr
     deadline = started + 15
     while time.monotonic() < deadline and (_marked("served") or pair.head.poll() is None
                                            or pair.node.poll() is None):
@@ -192,7 +196,7 @@ def test_sigterm_to_the_head_ends_both_nodes(served):
     node = json.loads(pair.node.stdout.read())  # type: ignore[union-attr]
     assert head["plan"]["parallel"]["node"]["node_rank"] == 0 and head["stopped_by"] == "SIGTERM"
     assert node["stopped_by"] == "the head" and node["node"]["ranks"] == [1] and node["processes_left"] == []
-    print(f"both nodes gone {took:.1f} s after SIGTERM to the head")
+    print(f"both nodes gone {took:.1f} s after `edge stop` of the head")
 
 
 def test_kill_9_of_a_node_ends_the_head_with_node_lost_and_leaves_nothing(tmp_path):

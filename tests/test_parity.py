@@ -11,6 +11,8 @@ position is recorded per prompt.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import types
 
 import pytest
@@ -36,6 +38,7 @@ def fake_backend(*, diverge_at: int | None = None, with_reference: bool = True) 
     module = types.ModuleType("edge_fake_parity")
     module.EDGE_API_VERSION = 1
     module.asked = []
+    module.pins = []
 
     @hookimpl
     def probe_devices(host):
@@ -64,6 +67,7 @@ def fake_backend(*, diverge_at: int | None = None, with_reference: bool = True) 
 
     def reference_token_ids(device, plan, prompts, max_tokens):
         module.asked.append((list(prompts), max_tokens))
+        module.pins.append(os.environ.get("EDGE_TEST_STAGE_PIN"))
         out = [engine_ids(p, max_tokens) for p in prompts]
         if diverge_at is not None:
             out[1][diverge_at] += 1
@@ -125,3 +129,22 @@ def test_a_backend_without_a_reference_run_is_a_usage_error_before_anything_star
     plan, registry = planned(with_reference=False)
     with pytest.raises(UsageError, match="reference_token_ids"):
         run_parity(plan, registry, max_tokens=8)
+
+
+def test_across_nodes_the_stage_runs_joined_first_then_the_reference_alone_in_the_environment_before_it(planned):
+    plan, registry = planned()
+    fake = registry.owner(plan.selected_device).plugin
+    seen = []
+
+    @contextlib.contextmanager
+    def nodes():
+        seen.append(("joined", len(fake.asked)))
+        os.environ["EDGE_TEST_STAGE_PIN"] = "0"  # what the stage's start sets (thread binding, device pin)
+        yield
+        seen.append(("left", len(fake.asked)))
+
+    record = run_parity(plan, registry, max_tokens=8, nodes=nodes())
+    assert seen == [("joined", 0), ("left", 0)]  # the reference had not run while the nodes were joined
+    assert fake.asked == [(list(PROMPTS), 8)] and fake.pins == [None]
+    assert "EDGE_TEST_STAGE_PIN" not in os.environ
+    assert record["outcome"] == "identical"

@@ -112,7 +112,10 @@ def add_run_commands(sub: Any) -> None:
         description=(f"Run the {PROMPT_COUNT} acceptance prompts to {ACCEPT_TOKENS} greedy tokens (ignore_eos) "
                      "through plain vllm.LLM and then through edge's stage, with the plan's engine arguments "
                      "and the same runtime environment; the first engine's processes are gone before the "
-                     "second starts. Exit 0 identical, 3 on any divergence (first divergent position recorded)."),
+                     "second starts. Exit 0 identical, 3 on any divergence (first divergent position recorded). "
+                     "Across nodes (--nnodes), node 0 runs edge's stage joined with the others first, then the "
+                     "reference on itself alone (one device unless --reference-tensor-parallel-size); a node > 0 "
+                     "runs its ranks headless for the stage's life."),
     )
     record_options(parity)
     mask_option(parity)
@@ -152,6 +155,7 @@ def refused(args: argparse.Namespace, plan: Plan, plan_s: float, kind: str) -> i
         write_document({"outcome": "refused", "plan": plan.to_dict()}, kind)
     else:
         print_plan(plan, plan_s, explain=args.explain)
+    tell_nodes(args, plan)
     return EXIT_REFUSED
 
 
@@ -282,6 +286,20 @@ def builds_of(plan: Plan) -> dict[str, str]:
     return out
 
 
+def tell_nodes(args: argparse.Namespace, plan: Plan) -> None:
+    """A refused plan on a node of a ``--nnodes`` session: tell the other nodes, so none waits for this one."""
+    if (getattr(args, "nnodes", 1) or 1) < 2:
+        return
+    from ..plan.parallel import MASTER_PORT
+    from ..runtime.nodes import tell_early_end
+
+    node = {"nnodes": args.nnodes, "node_rank": args.node_rank or 0, "master_addr": args.master_addr,
+            "master_port": args.master_port or MASTER_PORT}
+    theirs = tell_early_end(plan, builds_of(plan), node, TerminalObserver().message)
+    if theirs is not None:
+        say(f"edge: {theirs}")
+
+
 @contextlib.contextmanager
 def joined_nodes(plan: Plan) -> Any:
     """Meet the session's other nodes (a no-op for one node); a node lost while inside is raised on leaving."""
@@ -299,6 +317,7 @@ def run_node(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: f
     if not plan.admitted:
         print_plan_beside(plan, plan_s, target, args.explain)
         write_document({"outcome": "refused", "plan": plan.to_dict()}, kind, target)
+        tell_nodes(args, plan)
         return EXIT_REFUSED
     from ..runtime.headless import run_headless
 
@@ -413,6 +432,7 @@ def cmd_accept(args: argparse.Namespace) -> int:
         write_document({"outcome": "refused", "criteria": [{
             "name": "decision_visible", "passed": False, "detail": f"refused in {visible_s * 1000:.0f} ms"}],
             "plan": plan.to_dict()}, "accept", args.json)
+        tell_nodes(args, plan)
         return EXIT_REFUSED
     # The masked decision comes before anything imports vLLM, so "no engine" is checkable.
     masked_plan, _, masked_s = plan_here(args, mask_from(args) | {plan.selected_device.kind})
@@ -437,35 +457,39 @@ def cmd_accept(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- edge parity
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    if (getattr(args, "nnodes", 1) or 1) > 1:
-        raise UsageError("edge parity runs plain vLLM and then edge's stage, two engines one after the other; "
-                         "across nodes a headless node serves one engine's life: compare a joined run's token "
-                         "ids (`edge run --nnodes ... --json -`) with a one-node `edge run --json -` instead")
     plan, registry, plan_s = plan_here(args)
+    if headless(args):  # a node > 0: its ranks serve the head's stage, then leave
+        return run_node(args, plan, registry, plan_s, "parity")
     if not plan.admitted:
         print_plan_beside(plan, plan_s, args.json, args.explain)
         write_document({"outcome": "refused", "plan": plan.to_dict()}, "parity", args.json)
+        tell_nodes(args, plan)
         return EXIT_REFUSED
+    across = (getattr(args, "nnodes", 1) or 1) > 1
     reference = None
-    if args.reference_tensor_parallel_size is not None:
+    if args.reference_tensor_parallel_size is not None or across:
         # The same model (already resolved), another layout; not admitted on its own: the two engines run one
-        # after the other inside this session, which the ledger already holds.
+        # after the other inside this session, which the ledger already holds. Across nodes the reference runs
+        # on this node alone (one device unless --reference-tensor-parallel-size says otherwise).
         wanted = argparse.Namespace(**{**vars(args), "model": plan.model_path, "revision": None,
-                                       "tensor_parallel_size": args.reference_tensor_parallel_size,
-                                       "pipeline_parallel_size": None})
+                                       "tensor_parallel_size": args.reference_tensor_parallel_size or 1,
+                                       "pipeline_parallel_size": None, "nnodes": 1, "node_rank": 0,
+                                       "master_addr": None, "master_port": None})
         reference, _ = plan_from_args(wanted, count_others=False)
         if not reference.admitted:
-            say(f"edge: the reference layout (--reference-tensor-parallel-size {args.reference_tensor_parallel_size}) "
+            say(f"edge: the reference layout (--reference-tensor-parallel-size {wanted.tensor_parallel_size}) "
                 "is refused; edge's own plan was admitted")
             print_plan_beside(reference, plan_s, args.json, args.explain)
             write_document({"outcome": "refused", "plan": plan.to_dict(), "reference_plan": reference.to_dict()},
                            "parity", args.json)
+            tell_nodes(args, reference)
             return EXIT_REFUSED
     from ..runtime import run_parity
 
     engine_log, keep = engine_log_from(args, "parity")
     document = run_parity(plan, registry, max_tokens=args.max_tokens, observer=TerminalObserver(),
-                          engine_log=engine_log, reference_plan=reference, keep_log=keep)
+                          engine_log=engine_log, reference_plan=reference, keep_log=keep,
+                          nodes=joined_nodes(plan) if across else None)
     write_document(document, "parity", args.json)
     rows = document["prompts"]
     diverged = [row for row in rows if not row["identical"]]

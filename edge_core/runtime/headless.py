@@ -69,25 +69,7 @@ def run_headless(plan: Plan, registry: Registry, lifeline: Lifeline | None, *, o
     try:
         with TerminationAsInterrupt():
             try:
-                apply_runtime_env()
-                pin_plan_devices(plan, device)
-                log.route_runtime_logging()  # before vLLM is imported
-                with log.capture_prints():
-                    from vllm.engine.arg_utils import EngineArgs
-                    from vllm.usage.usage_lib import UsageContext
-                    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-                config = EngineArgs(**plan.engine_kwargs).create_engine_config(
-                    usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
-                with said.step(f"node {node['node_rank']}: starting ranks {', '.join(map(str, node['ranks']))} on "
-                               f"{device.device_id}, headless; they join the head at {node['master_addr']}:"
-                               f"{node['master_port']}"):
-                    log_fd = log.open_fd()
-                    try:
-                        with OwnProcessGroup(log_fd):
-                            executor = MultiprocExecutor(config, monitor_workers=False)
-                    finally:
-                        if log_fd is not None:
-                            os.close(log_fd)
+                executor = start_ranks(plan, log, said)
                 ready_s = time.monotonic() - started
                 set_state("running")
                 said.message(f"node {node['node_rank']}: ranks {', '.join(map(str, node['ranks']))} joined the head; "
@@ -127,6 +109,30 @@ def run_headless(plan: Plan, registry: Registry, lifeline: Lifeline | None, *, o
         "node_prep": node_prep.to_dict() if node_prep is not None else None,
         "versions": versions(),
     }
+
+
+def start_ranks(plan: Plan, log: EngineLog, said: Observer) -> Any:
+    """This node's workers, started as ``vllm serve --headless`` starts them, in their own process group."""
+    node, device = (plan.parallel or {})["node"], plan.selected_device
+    assert device is not None
+    apply_runtime_env()
+    pin_plan_devices(plan, device)
+    log.route_runtime_logging()  # before vLLM is imported
+    with log.capture_prints():
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    config = EngineArgs(**plan.engine_kwargs).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER,
+                                                                   headless=True)
+    with said.step(f"node {node['node_rank']}: starting ranks {', '.join(map(str, node['ranks']))} on "
+                   f"{device.device_id}, headless; they join the head at {node['master_addr']}:{node['master_port']}"):
+        log_fd = log.open_fd()
+        try:
+            with OwnProcessGroup(log_fd):
+                return MultiprocExecutor(config, monitor_workers=False)
+        finally:
+            if log_fd is not None:
+                os.close(log_fd)
 
 
 def _wait_for_workers(executor: Any, lifeline: Lifeline | None) -> str:

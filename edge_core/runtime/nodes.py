@@ -12,7 +12,12 @@ waits for every node, compares, and answers each ``ok`` or a named
 ``node_mismatch``. The connection then stays open as the session's lifeline:
 the head says ``stop`` when it stops, and either side that sees the other's
 end of it close (a crash, ``kill -9``) ends its own session with ``node_lost``
-or ``head_lost`` (:class:`Lifeline`).
+or ``head_lost`` (:class:`Lifeline`). A session that ends before the nodes agreed
+says so too (:func:`tell_early_end`): a head whose plan is refused, or that
+fails or is stopped before its workers start, answers every node that comes
+with a named code (``head_refused``, ``head_failed``, ``head_stopped``), and a
+node whose own plan is refused tells the head, which fails with ``node_refused``
+naming it; no node waits out :data:`JOIN_TIMEOUT_S` for a head that is gone.
 
 One JSON object per line, UTF-8, on a plain TCP connection: the nodes of a
 session trust each other as vLLM's do (the workers' own channels are plain too).
@@ -38,6 +43,9 @@ if TYPE_CHECKING:
 
 #: Seconds the head waits for every other node to join, and a node for the head to answer.
 JOIN_TIMEOUT_S = 300.0
+#: Seconds a node whose session ended before the nodes agreed (its plan refused, its start failed) stays to
+#: tell the others: the nodes of one session are started within moments of each other, by hand or by a script.
+NOTICE_S = 60.0
 #: Seconds between a node's attempts to reach a head that is not listening yet.
 RETRY_S = 0.5
 #: Longest descriptor or message line accepted (bytes).
@@ -61,19 +69,31 @@ def node_of(plan: Plan) -> dict[str, Any] | None:
     return (plan.parallel or {}).get("node")
 
 
-def descriptor(plan: Plan, builds: dict[str, str]) -> dict[str, Any]:
-    """What this node tells the others: what it runs, and with which build."""
-    node = node_of(plan)
-    assert node is not None and plan.manifest is not None
-    kwargs = plan.engine_kwargs
+def descriptor(plan: Plan, builds: dict[str, str], node: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What this node tells the others: what it runs, and with which build (and why not, when refused).
+
+    ``node`` is the session's node (default: the plan's ``parallel.node``; a plan refused before its
+    layout was built has none, and the command line gives it).
+    """
+    node = node or node_of(plan)
+    assert node is not None
+    kwargs = plan.engine_kwargs or {}
     return {
         "protocol": PROTOCOL, "edge": __version__, "node_rank": node["node_rank"], "nnodes": node["nnodes"],
         "host": socket.gethostname(), "pid": os.getpid(),
         "tensor_parallel_size": kwargs.get("tensor_parallel_size"),
         "pipeline_parallel_size": kwargs.get("pipeline_parallel_size"), "master_port": node["master_port"],
-        "artifact_id": plan.manifest.artifact_id, "backend": plan.backend, "builds": builds,
-        "engine": {k: v for k, v in sorted(kwargs.items()) if k not in NODE_OWN_KWARGS},
+        "artifact_id": plan.manifest.artifact_id if plan.manifest is not None else None, "backend": plan.backend,
+        "builds": builds, "engine": {k: v for k, v in sorted(kwargs.items()) if k not in NODE_OWN_KWARGS},
+        "refused": [] if plan.admitted else [f"[{r.code}] {r.message}" for r in plan.refusals],
     }
+
+
+def refused_notice(plan: Plan) -> NodeError:
+    """``head_refused``: what the head answers its nodes when its own plan is refused."""
+    reasons = "; ".join(f"[{r.code}] {r.message}" for r in plan.refusals) or "refused"
+    return NodeError("head_refused", f"node 0 (the head, {socket.gethostname()}) refused its own plan: {reasons}; "
+                     "nothing was started; fix it there, then start every node again", EXIT_REFUSED)
 
 
 def disagreement(head: dict[str, Any], other: dict[str, Any]) -> str | None:
@@ -158,8 +178,11 @@ class Lifeline:
                     chunk = b""
                 if self._closing:
                     return
-                if b'"stop"' in chunk and not self.head:
-                    self._end(f"the head stopped ({_reason(chunk)})", None)
+                stop = _stop_of(chunk) if chunk and not self.head else None
+                if stop is not None:
+                    why = str(stop.get("reason") or "stopped")
+                    failed = NodeError(str(stop["code"]), str(stop.get("message") or why)) if stop.get("code") else None
+                    self._end(f"the head stopped ({why})", failed)
                     return
                 if not chunk:
                     if self.head:
@@ -177,13 +200,15 @@ class Lifeline:
         self.ended, self.lost = why, lost
         self.on_end()
 
-    def close(self, reason: str = "stopped") -> None:
-        """Tell the other nodes this session is over (the head's ``stop``), then close every connection."""
+    def close(self, reason: str = "stopped", failure: NodeError | None = None) -> None:
+        """Tell the other nodes this session is over (the head's ``stop``, with ``failure``'s code when it
+        failed), then close every connection."""
         self._closing = True
         for sock in self.peers.values():
             with contextlib.suppress(OSError):
                 if self.head:
-                    _send(sock, {"event": "stop", "reason": reason})
+                    extra = {"code": failure.code, "message": failure.message} if failure is not None else {}
+                    _send(sock, {"event": "stop", "reason": reason, **extra})
                 sock.close()
         if self._thread is not None:
             self._thread.join(2)
@@ -194,11 +219,22 @@ def terminate_self() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _reason(chunk: bytes) -> str:
-    try:
-        return str(json.loads(chunk.splitlines()[0]).get("reason") or "stopped")
-    except (ValueError, IndexError, AttributeError):
-        return "stopped"
+def _stop_of(chunk: bytes) -> dict[str, Any] | None:
+    """The head's ``stop`` message in what a node received, None if there is none."""
+    for line in chunk.splitlines():
+        with contextlib.suppress(ValueError):
+            message = json.loads(line)
+            if isinstance(message, dict) and message.get("event") == "stop":
+                return message
+    return None
+
+
+def head_failure(exc: BaseException) -> NodeError | None:
+    """How the head's early end is named to the other nodes: None for a stop (a signal), ``head_failed`` else."""
+    if isinstance(exc, KeyboardInterrupt):
+        return None
+    what = f"{exc.code}: {exc.message}" if isinstance(exc, NodeError) else f"{type(exc).__name__}: {exc}"
+    return NodeError("head_failed", f"node 0 (the head) failed, so this session ends: {what}")
 
 
 @contextlib.contextmanager
@@ -209,10 +245,11 @@ def joined(plan: Plan, builds: dict[str, str], say: Any = None,
     The head (node 0) listens on :func:`link_port`, waits up to
     :data:`JOIN_TIMEOUT_S` for every other node and checks each descriptor;
     another node connects to the head (retrying while it is not up yet) and
-    waits for its answer. Raises :class:`NodeError` (exit 2) for a mismatch
-    or a node that never came, before any worker starts. Leaving tells the
-    other nodes to stop (the head) and closes the connections. ``on_end`` is what the lifeline does when
-    the session ends from the other side (default: :func:`terminate_self`).
+    waits for its answer. Raises :class:`NodeError` (exit 2) for a mismatch,
+    a node that refused its own plan, or a node that never came, before any
+    worker starts. Leaving tells the other nodes to stop (the head; with
+    ``head_failed`` when the body raised) and closes the connections. ``on_end`` is what the lifeline does
+    when the session ends from the other side (default: :func:`terminate_self`).
     """
     node = node_of(plan)
     if node is None:
@@ -224,84 +261,191 @@ def joined(plan: Plan, builds: dict[str, str], say: Any = None,
     line = Lifeline(peers, head=node["node_rank"] == 0, on_end=on_end).watch()
     try:
         yield line
-    finally:
-        line.close("the head stopped" if line.head else "stopped")
+    except BaseException as exc:
+        line.close(f"interrupted ({exc})" if isinstance(exc, KeyboardInterrupt) else "it failed", head_failure(exc))
+        raise
+    line.close("the head stopped" if line.head else "stopped")
 
 
 def _gather(mine: dict[str, Any], address: tuple[str, int], nnodes: int, say: Any) -> dict[int, socket.socket]:
-    try:
-        listener = socket.create_server(address, reuse_port=False)
-    except OSError as exc:
-        raise UsageError(f"the head cannot listen on {address[0]}:{address[1]} for its nodes ({exc.strerror or exc}); "
-                         "--master-addr must be an address of this host, and --master-port P needs P+1 free too") from None
+    listener = _listen(address)
     if say is not None:
         say(f"node 0 of {nnodes}: waiting for {nnodes - 1} other node{'s' if nnodes > 2 else ''} at "
             f"{address[0]}:{address[1]} (up to {JOIN_TIMEOUT_S:.0f} s)")
     peers: dict[int, socket.socket] = {}
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
-        while len(peers) < nnodes - 1:
-            listener.settimeout(max(min(deadline - time.monotonic(), 1.0), 0.01))
-            try:
-                sock, where = listener.accept()
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    missing = sorted(set(range(1, nnodes)) - set(peers))
-                    raise NodeError("node_join_timeout", f"node{'s' if len(missing) > 1 else ''} "
-                                    f"{', '.join(map(str, missing))} did not join within {JOIN_TIMEOUT_S:.0f} s at "
-                                    f"{address[0]}:{address[1]}; start `edge ... --node-rank R` on each",
-                                    EXIT_REFUSED) from None
-                continue
-            try:
-                theirs = _read_line(sock, time.monotonic() + 10)
-            except (TimeoutError, ValueError, OSError):
-                sock.close()  # not one of ours: a port scan, a stray client
-                continue
-            if theirs is None:
-                sock.close()
-                continue
+        for sock, theirs, where in _arrivals(listener, time.monotonic() + JOIN_TIMEOUT_S):
             rank = theirs.get("node_rank")
-            problem = disagreement(mine, theirs)
-            if problem is None and (not isinstance(rank, int) or not 0 < rank < nnodes or rank in peers):
-                problem = f"node rank {rank!r} is not free (taken, or not 1 to {nnodes - 1})"
-            if problem is not None:
-                error = NodeError("node_mismatch", f"node {rank} ({theirs.get('host')}, {where[0]}) does not run "
-                                  f"what the head runs: {problem}; start every node with the same model, "
-                                  "layout and edge backend build", EXIT_REFUSED)
-                for other in (sock, *peers.values()):
-                    with contextlib.suppress(OSError):
-                        _send(other, {"ok": False, "code": error.code, "message": error.message})
-                        other.close()
+            error = _refusal_of(theirs, where) or _mismatch(mine, theirs, where, nnodes, peers)
+            if error is not None:
+                _tell_rest(listener, {**peers, rank if isinstance(rank, int) and rank not in peers else -1: sock},
+                           error, nnodes, say)
                 raise error
-            peers[int(rank)] = sock  # type: ignore[arg-type]  # checked above
+            peers[int(rank)] = sock  # type: ignore[arg-type]  # checked by _mismatch
             if say is not None:
-                say(f"node {rank} joined from {theirs.get('host')} ({where[0]}): layout, model and build agree")
+                say(f"node {rank} joined from {theirs.get('host')} ({where}): layout, model and build agree")
+            if len(peers) == nnodes - 1:
+                break
+        else:
+            missing = sorted(set(range(1, nnodes)) - set(peers))
+            raise NodeError("node_join_timeout", f"node{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(map(str, missing))} did not join within {JOIN_TIMEOUT_S:.0f} s at "
+                            f"{address[0]}:{address[1]}; start `edge ... --node-rank R` on each", EXIT_REFUSED)
         for sock in peers.values():
             _send(sock, {"ok": True})
-    except BaseException:
+    except BaseException as exc:
+        stopped = NodeError("head_stopped", f"node 0 (the head) was stopped ({str(exc) or 'SIGINT'}) before "
+                            "every node joined; nothing was started", EXIT_REFUSED)
         for sock in peers.values():
-            with contextlib.suppress(OSError):
-                sock.close()
+            _answer(sock, stopped if isinstance(exc, KeyboardInterrupt) else exc)
         raise
     finally:
         listener.close()
     return peers
 
 
+def _listen(address: tuple[str, int]) -> socket.socket:
+    try:
+        return socket.create_server(address, reuse_port=False)
+    except OSError as exc:
+        raise UsageError(f"the head cannot listen on {address[0]}:{address[1]} for its nodes ({exc.strerror or exc}); "
+                         "--master-addr must be an address of this host, and --master-port P needs P+1 free too") from None
+
+
+def _arrivals(listener: socket.socket, deadline: float) -> Iterator[tuple[socket.socket, dict[str, Any], str]]:
+    """Each node that connects before ``deadline`` and sends a descriptor: its socket, descriptor and address."""
+    while time.monotonic() < deadline:
+        listener.settimeout(max(min(deadline - time.monotonic(), 1.0), 0.01))
+        try:
+            sock, where = listener.accept()
+        except TimeoutError:
+            continue
+        try:
+            theirs = _read_line(sock, time.monotonic() + 10)
+        except (TimeoutError, ValueError, OSError):
+            theirs = None  # not one of ours: a port scan, a stray client
+        if theirs is None:
+            sock.close()
+            continue
+        yield sock, theirs, str(where[0])
+
+
+def _refusal_of(theirs: dict[str, Any], where: str) -> NodeError | None:
+    """``node_refused`` when a node's own plan was refused (its descriptor says why), else None."""
+    if not theirs.get("refused"):
+        return None
+    return NodeError("node_refused", f"node {theirs.get('node_rank')} ({theirs.get('host')}, {where}) refused its "
+                     f"own plan: {'; '.join(map(str, theirs['refused']))}; fix it there (its own devices and "
+                     "ledger), then start every node again", EXIT_REFUSED)
+
+
+def _mismatch(mine: dict[str, Any], theirs: dict[str, Any], where: str, nnodes: int,
+              peers: dict[int, socket.socket]) -> NodeError | None:
+    rank = theirs.get("node_rank")
+    problem = disagreement(mine, theirs)
+    if problem is None and (not isinstance(rank, int) or not 0 < rank < nnodes or rank in peers):
+        problem = f"node rank {rank!r} is not free (taken, or not 1 to {nnodes - 1})"
+    if problem is None:
+        return None
+    return NodeError("node_mismatch", f"node {rank} ({theirs.get('host')}, {where}) does not run what the head "
+                     f"runs: {problem}; start every node with the same model, layout and edge backend build",
+                     EXIT_REFUSED)
+
+
+def _answer(sock: socket.socket, error: BaseException) -> None:
+    """A node's answer that the session will not start, and the end of its connection."""
+    with contextlib.suppress(OSError):
+        if isinstance(error, NodeError):
+            _send(sock, {"ok": False, "code": error.code, "message": error.message})
+        else:
+            _send(sock, {"ok": False, "code": "head_failed", "message": f"{type(error).__name__}: {error}"})
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+def _tell_rest(listener: socket.socket, told: dict[int, socket.socket], error: NodeError, nnodes: int,
+               say: Any) -> None:
+    """Answer ``error`` to the nodes already here and to those that come within :data:`NOTICE_S`; Ctrl-C leaves."""
+    for sock in told.values():
+        _answer(sock, error)
+    others = set(range(1, nnodes))
+    ranks = set(told) & others
+    if ranks == others:
+        return
+    if say is not None:
+        say(f"telling the other node{'s' if nnodes > 2 else ''} ({error.code}) for up to {NOTICE_S:.0f} s "
+            "as they come; Ctrl-C leaves now")
+    with contextlib.suppress(KeyboardInterrupt):
+        for sock, theirs, where in _arrivals(listener, time.monotonic() + NOTICE_S):
+            _answer(sock, error)
+            if theirs.get("node_rank") in others:
+                ranks.add(int(theirs["node_rank"]))
+            refusal = _refusal_of(theirs, where)
+            if say is not None:
+                say(f"told node {theirs.get('node_rank')} ({where})"
+                    + (f"; it refused too: {refusal.message}" if refusal is not None else ""))
+            if ranks == others:
+                return
+
+
+def tell_early_end(plan: Plan, builds: dict[str, str], node: dict[str, Any] | None = None, say: Any = None,
+                   error: NodeError | None = None) -> NodeError | None:
+    """This node's session ends before the nodes agreed (its plan refused): tell the others, so none waits.
+
+    The head answers ``error`` (default: its refusal, :func:`refused_notice`) to every node that comes
+    within :data:`NOTICE_S`; a node > 0 sends its descriptor, which carries its refusal, to the head and
+    returns the head's own early end when it had one (it refused too). ``node`` as for :func:`descriptor`;
+    a no-op for one node. Ctrl-C leaves at once.
+    """
+    node = node or node_of(plan)
+    if node is None:
+        return None
+    mine = descriptor(plan, builds, node)
+    address = (node["master_addr"], link_port(node["master_port"]))
+    if node["node_rank"] == 0:
+        try:
+            listener = _listen(address)
+        except UsageError:
+            return None  # nothing can reach this head anyway
+        try:
+            _tell_rest(listener, {}, error or refused_notice(plan), node["nnodes"], say)
+        finally:
+            listener.close()
+        return None
+    if say is not None:
+        say(f"telling the head at {address[0]}:{address[1]} (up to {NOTICE_S:.0f} s; Ctrl-C leaves now)")
+    with contextlib.suppress(KeyboardInterrupt, TimeoutError, ValueError, OSError):
+        sock = _connect(address, time.monotonic() + NOTICE_S)
+        if sock is None:
+            return None
+        with contextlib.closing(sock):
+            _send(sock, mine)
+            answer = _read_line(sock, time.monotonic() + 10)
+        if answer is not None and not answer.get("ok") and answer.get("code") != "node_refused":
+            return NodeError(str(answer.get("code")), str(answer.get("message")), EXIT_REFUSED)
+    return None
+
+
+def _connect(address: tuple[str, int], deadline: float) -> socket.socket | None:
+    """A connection to the head, retried while it is not listening yet; None past ``deadline``."""
+    while True:
+        try:
+            return socket.create_connection(address, timeout=5)
+        except OSError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(RETRY_S)
+
+
 def _join(mine: dict[str, Any], address: tuple[str, int], say: Any) -> dict[int, socket.socket]:
     if say is not None:
         say(f"node {mine['node_rank']} of {mine['nnodes']}: joining the head at {address[0]}:{address[1]}")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while True:
-        try:
-            sock = socket.create_connection(address, timeout=5)
-            break
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise NodeError("node_join_timeout", f"no head answered at {address[0]}:{address[1]} within "
-                                f"{JOIN_TIMEOUT_S:.0f} s; start node 0 with the same --master-addr and "
-                                "--master-port", EXIT_REFUSED) from None
-            time.sleep(RETRY_S)
+    sock = _connect(address, deadline)
+    if sock is None:
+        raise NodeError("node_join_timeout", f"no head answered at {address[0]}:{address[1]} within "
+                        f"{JOIN_TIMEOUT_S:.0f} s; start node 0 with the same --master-addr and --master-port",
+                        EXIT_REFUSED)
     try:
         _send(sock, mine)
         answer = _read_line(sock, deadline)
@@ -312,7 +456,7 @@ def _join(mine: dict[str, Any], address: tuple[str, int], say: Any) -> dict[int,
     if answer is None:
         sock.close()
         raise NodeError("head_lost", f"the head at {address[0]}:{address[1]} closed the connection before the "
-                        "nodes agreed (stopped, refused or killed); nothing was started here", EXIT_REFUSED)
+                        "nodes agreed (crashed or killed); nothing was started here", EXIT_REFUSED)
     if not answer.get("ok"):
         sock.close()
         raise NodeError(str(answer.get("code") or "node_mismatch"), str(answer.get("message")), EXIT_REFUSED)
