@@ -13,7 +13,11 @@ loads every edge-cpu plugin as ``edge run`` does (heap trim, packing levers;
 child's process tree (front end, engine core, worker) is sampled every 0.1 s
 for PSS. Each child measures
 
-* prefill: a ``--prefill-tokens`` (1,024) token prompt, one output token, best of 3;
+* prefill: a ``--prefill-tokens`` (1,024) token prompt, one output token, median of
+  ``--prefill-repeats`` (3) after one unmeasured warm-up; each repeat is a different prompt (the same
+  ones in both runs), so vLLM's prefix cache (on by default; CPU blocks of 128 tokens) serves none of
+  it: a repeated prompt would recompute only its last block. The tree's minor page faults
+  (``/proc/PID/stat`` minflt, every process) are counted over each measured prefill;
 * decode: ``--decode-tokens`` (32) greedy tokens after a short prompt, less that
   prompt's one-token time, best of 2;
 * token ids: 3 prompts x 24 greedy tokens (``ignore_eos``), compared between the two runs.
@@ -111,7 +115,23 @@ def engine_kwargs(edge: str, model: Path, max_model_len: int) -> dict:
 # ---------------------------------------------------------------- the child: one engine
 
 
-def child(side: str, kwargs: dict, prefill_tokens: int, decode_tokens: int) -> None:
+def tree_minflt(pid: int) -> int:
+    """Minor page faults so far of ``pid`` and its descendants (``/proc/PID/stat`` field 10)."""
+    total = 0
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return 0
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                total += int(f.read().rsplit(")", 1)[1].split()[7])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def child(side: str, kwargs: dict, prefill_tokens: int, decode_tokens: int, prefill_repeats: int = 3) -> None:
     from edge_core.runtime.env import apply_runtime_env
 
     apply_runtime_env()
@@ -132,12 +152,23 @@ def child(side: str, kwargs: dict, prefill_tokens: int, decode_tokens: int) -> N
 
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     ids = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
-    long_prompt = TokensPrompt(prompt_token_ids=[(i * 7919) % (vocab - 3) + 3 for i in range(prefill_tokens)])
+    # Repeat r's first token differs from every other repeat's, so no block of it is in the prefix cache.
+    long_prompts = [TokensPrompt(prompt_token_ids=[(i * 7919 + r * 104729) % (vocab - 3) + 3
+                                                   for i in range(prefill_tokens)])
+                    for r in range(prefill_repeats + 1)]
     short = TokensPrompt(prompt_token_ids=[3, 5, 7, 11])
-    prefill = min(timed(long_prompt, 1) for _ in range(3))
+    timed(long_prompts[0], 1)  # warm-up: oneDNN's kernels for this shape, the activations' first pages
+    prefills, faults = [], []
+    for prompt in long_prompts[1:]:
+        before = tree_minflt(os.getpid())
+        prefills.append(timed(prompt, 1))
+        faults.append(tree_minflt(os.getpid()) - before)
+    prefill = statistics.median(prefills)
+    cached = timed(long_prompts[-1], 1)  # the last prompt again: what a repeated prompt measures (not the ratio)
     decode = min(timed(short, decode_tokens + 1) - timed(short, 1) for _ in range(2))
     print("PHASE done", flush=True)
-    result = {"side": side, "token_ids": ids, "prefill_s": prefill, "decode_s": decode,
+    result = {"side": side, "token_ids": ids, "prefill_s": prefill, "decode_s": decode, "prefills_s": prefills,
+              "prefill_minflt": statistics.median(faults), "prefill_cached_s": cached,
               "prefill_tok_s": prefill_tokens / prefill, "decode_tok_s": decode_tokens / decode}
     print("RESULT " + json.dumps(result), flush=True)
     llm.llm_engine.engine_core.shutdown()
@@ -166,7 +197,8 @@ def run_side(side: str, kwargs: dict, args: argparse.Namespace) -> dict:
     if side == "edge":
         env.update(kv.split("=", 1) for kv in args.edge_env)
     cmd = [sys.executable, __file__, "--child", side, "--kwargs", json.dumps(kwargs),
-           "--prefill-tokens", str(args.prefill_tokens), "--decode-tokens", str(args.decode_tokens)]
+           "--prefill-tokens", str(args.prefill_tokens), "--decode-tokens", str(args.decode_tokens),
+           "--prefill-repeats", str(args.prefill_repeats)]
     samples: list[tuple[float, int, str]] = []
     phase = ["start"]
     lines: list[str] = []
@@ -210,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-pair", type=int, default=1, help="number of the first pair (its parity sets the order)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--prefill-tokens", type=int, default=1024)
+    ap.add_argument("--prefill-repeats", type=int, default=3, help="measured prefills (distinct prompts), after a warm-up")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--edge-env", action="append", default=[], help="VAR=VALUE for the edge run (repeatable)")
     ap.add_argument("--edge", default=str(Path(sys.executable).with_name("edge")))
@@ -219,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kwargs", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, json.loads(args.kwargs), args.prefill_tokens, args.decode_tokens)
+        child(args.child, json.loads(args.kwargs), args.prefill_tokens, args.decode_tokens, args.prefill_repeats)
         return 0
     if args.report:
         return report(args.report)
@@ -245,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{plain['steady_pss'] / MIB:,.0f} -> {edge['steady_pss'] / MIB:,.0f} MiB "
                   f"({row['steady_ratio']:.3f}), decode {row['decode_ratio']:.3f} "
                   f"({plain['decode_tok_s']:.1f} / {edge['decode_tok_s']:.1f} tok/s), prefill "
-                  f"{row['prefill_ratio']:.3f} ({plain['prefill_tok_s']:.0f} / {edge['prefill_tok_s']:.0f} tok/s), "
-                  f"token ids {'identical' if row['identical'] else 'DIFFER'}", flush=True)
+                  f"{row['prefill_ratio']:.3f} ({plain['prefill_tok_s']:.0f} / {edge['prefill_tok_s']:.0f} tok/s, minor "
+                  f"faults {plain['prefill_minflt']:,.0f} / {edge['prefill_minflt']:,.0f}), token ids {'identical' if row['identical'] else 'DIFFER'}", flush=True)
             if args.results:
                 with args.results.open("a") as f:
                     f.write(json.dumps(row) + "\n")
