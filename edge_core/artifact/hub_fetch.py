@@ -11,7 +11,7 @@ from ..errors import ArtifactError
 from .header import MAX_HEADER_BYTES
 
 if TYPE_CHECKING:
-    from .hub import HubSettings
+    from .hub_settings import HubSettings
 
 #: The first range read of a shard: the length prefix and, for most checkpoints, the whole header.
 FIRST_READ_BYTES = 64 * 1024

@@ -33,7 +33,7 @@ def cached_revisions() -> tuple[str, list[dict[str, Any]], list[str]]:
     """The cache directory, one row per cached model revision, and the cache scan's warnings."""
     from huggingface_hub import scan_cache_dir
 
-    from ..artifact.hub import HubSettings
+    from ..artifact.hub_settings import HubSettings
 
     cache = HubSettings.from_env().cache_dir
     if not cache.is_dir():
