@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -110,6 +111,11 @@ if "UV_FIND_LINKS" not in os.environ and (_links := _pip_find_links()):
 # transformers again in each of its three processes: measured 2-3x slower engine tests
 # (docs/benchmarks.md#the-test-suite). An empty value is Python's "not set".
 os.environ["PYTHONDONTWRITEBYTECODE"] = ""
+# A job started in the background of a script (`bash .ci/run &`) starts with SIGINT ignored, and every process
+# it starts inherits that: the Ctrl-C tests would then watch `edge run` ignore the Ctrl-C they send. The
+# sessions' commands get SIGINT as a terminal's foreground job has it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _timed(func: Callable[[nox.Session], None]) -> Callable[[nox.Session], None]:

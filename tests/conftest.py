@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from engine_groups import pytest_collection_modifyitems  # noqa: F401 - the hook, registered with this conftest
 from fakes import FakeEntryPoint, write_host_tree  # beside this file: pyproject.toml's pythonpath = ["tests"]
 
 # The header-verdict cache of the suite's checkpoints stays out of the user's ~/.cache (subprocesses inherit it).
@@ -81,20 +82,6 @@ def demo_run():
         env={**os.environ, "EDGE_PROBE_TIMEOUT_S": "5", "TMPDIR": str(tmp)})
     yield proc, tmp
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under xdist (``--dist loadgroup``), engine tests that share an engine a module- or class-scoped fixture
-    started stay on one worker; the others spread freely. A test that names its own group keeps it."""
-    for item in items:
-        if item.get_closest_marker("engine") is None or item.get_closest_marker("xdist_group") is not None:
-            continue
-        info = getattr(item, "_fixtureinfo", None)
-        scopes = {d.scope for defs in (info.name2fixturedefs.values() if info else ()) for d in defs}
-        if "module" in scopes:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-        elif "class" in scopes and item.cls is not None:
-            item.add_marker(pytest.mark.xdist_group(f"{item.nodeid.split('::')[0]}::{item.cls.__name__}"))
 
 
 def _accept(tmp, *layout: str):
