@@ -17,9 +17,8 @@ read what is installed (``tests/test_cli.py``) and a CLI smoke; ``cpu`` also
 runs every ``engine`` test, the only ones ``all`` leaves out: two at a time on
 two xdist workers, each held to one core (an engine start is mostly one core
 importing), then, one at a time, those marked ``alone`` (they check measured
-memory within a band, use every core, plan from the host's free memory, or
-decode long enough that sharing a core would double them: pyproject.toml
-says which).
+memory within a band, use every core, or plan from the host's free memory:
+pyproject.toml says which).
 
 Every package is built into a wheel once per nox run and every session installs
 that wheel (never editable), so a missing file in a package's manifest fails
@@ -84,10 +83,11 @@ STAND_INS = {"dml": ("onnx>=1.16", "onnxruntime"), "vitisai": ("onnx>=1.16", "on
 
 #: Two workers where a session runs many short tests (measured: docs/benchmarks.md#the-test-suite).
 XDIST = ("-n", "2")
-#: Engine tests two at a time: tests/conftest.py holds each xdist worker to one usable core, and ``loadgroup``
-#: keeps the tests that read one engine (``xdist_group``, set in conftest) on one worker. Only here: it hands
-#: out one test at a time, which costs the hermetic sessions' many short tests seconds.
-ENGINE_PAIRS = ("--dist", "loadgroup")
+#: Engine tests two at a time: tests/conftest.py holds each xdist worker to one usable core, ``loadgroup``
+#: keeps the tests that read one engine (``xdist_group``, set in tests/engine_groups.py) on one worker, and
+#: without xdist's reorder by test count the groups go out in that file's order, costliest first. Only here:
+#: it hands out one test at a time, which costs the hermetic sessions' many short tests seconds.
+ENGINE_PAIRS = ("--dist", "loadgroup", "--no-loadscope-reorder")
 ENGINE_PAIRS_ENV = {"EDGE_TEST_PIN_WORKERS": "1"}
 
 

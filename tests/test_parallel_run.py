@@ -65,6 +65,7 @@ def test_accept_with_tp2_passes_every_criterion(tp2_accept):
             "cancel_leaks_nothing"} <= passed
 
 
+@pytest.mark.engine(starts=2)  # the TP 2 stage, then plain vLLM on one device
 def test_parity_of_tp2_against_one_device_reports_each_first_divergence(tmp_path):
     """Splitting the layers changes bf16 sums; the record says where each prompt's tokens first differ."""
     record = tmp_path / "parity.json"

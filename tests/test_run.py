@@ -222,6 +222,7 @@ class TestRealEngine:
             time.sleep(0.2)
         assert not [p for p in stage_pids if psutil.pid_exists(p)]
 
+    @pytest.mark.engine(starts=2)  # plain vLLM's, then edge's
     def test_parity_on_the_demo_is_token_for_token(self, tmp_path):
         # 32 tokens a prompt, not the default 128 (which test_the_cli_help_counts_are_the_runtimes_acceptance_figures
         # checks): two engines decoding 384 tokens each can share the machine with another test.

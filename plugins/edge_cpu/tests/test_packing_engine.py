@@ -25,7 +25,7 @@ from factories import llama_like_tensors, tiny_config, write_checkpoint
 DEMO = Path(__file__).resolve().parents[3] / "edge_core" / "demo" / "tiny-llama"
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 pytestmark = [
-    pytest.mark.engine,
+    pytest.mark.engine(starts=3),  # the module's three probes: tied on, tied off, untied
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
