@@ -4,7 +4,7 @@
 
 For TP and PP from 1 to ``--max``, with the process's affinity as it is and
 under ``taskset -c CPUS`` (``--taskset``): ``edge plan --json`` (timed, the
-interpreter's start included) and, for each admitted layout, ``edge run --json -
+interpreter's start included) and, for each admitted layout, ``edge run --json
 --max-tokens 8 --ignore-eos`` on the same prompt. A row says the verdict, the
 refusal codes and the dimension they name, and the run's exit code, token count,
 token ids and engine start. edge's promise is that every admitted row generates
@@ -43,7 +43,7 @@ def row(tp: int, pp: int, cpus: str | None) -> dict:
     if plan.get("admitted"):
         bind = ((plan.get("parallel") or {}).get("env") or {}).get("VLLM_CPU_OMP_THREADS_BIND")
         out["bind"] = bind
-        ran, run_s = edge(["run", "--json", "-", *layout, "--max-tokens", "8", "--ignore-eos", "--prompt", PROMPT],
+        ran, run_s = edge(["run", "--json", *layout, "--max-tokens", "8", "--ignore-eos", "--prompt", PROMPT],
                           cpus, 900)
         record = json.loads(ran.stdout) if ran.stdout.strip().startswith("{") else {}
         out.update(run_exit=ran.returncode, run_s=round(run_s, 1), tokens=record.get("tokens"),
