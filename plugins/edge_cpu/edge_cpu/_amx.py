@@ -1,17 +1,16 @@
 """Ask Linux for AMX permission in every vLLM process: a vLLM general plugin, registered by edge-cpu.
 
-vLLM CPU 0.32's attention kernel runs AMX tile instructions on CPUs that have
-them, but nothing in the engine asks the kernel for permission to use the AMX
-tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``). Larger models
-work only because a oneDNN call happens to ask first; with the tiny demo and
-a 1-4 token first prompt the worker died with SIGILL (measured here, on an
-AMX CPU). vLLM starts its engine core and workers with spawn, so the request
-must happen in each of them: vLLM loads its ``vllm.general_plugins`` entry
-points in every process it starts (engine core, worker) before any model
-code runs, which is where :func:`request_amx` runs. PyTorch exposes the
-request as ``torch.cpu._init_amx()``; on a CPU without AMX it returns False
-and does nothing. Registered through edge-cpu's own entry point, so it also
-covers plain vLLM in this venv — the path ``edge parity`` compares against.
+vLLM CPU's attention kernel runs AMX tile instructions, but nothing in the
+engine asks the kernel for permission to use the AMX tile state
+(``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``); without it a worker can die
+with SIGILL (docs/vllm-cpu-facts.md, "AMX tile permission"). vLLM starts its
+engine core and workers with spawn, so the request must happen in each of
+them: vLLM loads its ``vllm.general_plugins`` entry points in every process it
+starts (engine core, worker) before any model code runs, which is where
+:func:`request_amx` runs. PyTorch exposes the request as
+``torch.cpu._init_amx()``; on a CPU without AMX it returns False and does
+nothing. Registered through edge-cpu's own entry point, so it also covers
+plain vLLM in this venv — the path ``edge parity`` compares against.
 """
 
 from __future__ import annotations

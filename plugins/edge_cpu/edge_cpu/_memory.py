@@ -25,24 +25,20 @@ if TYPE_CHECKING:
     from edge_core.plan.parallel import DeviceShare
 
 #: Tree PSS of a vLLM CPU session (front end, engine core, one worker) beside its weights and KV, in bytes (E):
-#: the largest read, a first run after install (1,542 MiB attributable on the demo), rounded up; warm runs read
-#: 1,399-1,467 MiB (docs/benchmarks.md "The runtime baseline, re-measured").
+#: the largest read, a first run after install on the demo, rounded up (docs/vllm-cpu-facts.md, "Memory of the
+#: process tree (PSS, GiB)").
 RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
 #: What vLLM's compiled mode (torch.compile / inductor, ``enforce_eager=False``) adds to the tree while it
-#: compiles and warms the model up, in bytes (evidence E). Measured with `edge serve --compile` on the demo
-#: (vllm-cpu 0.32, 2026-12-01): tree-PSS peak 2,004 MiB against 1,503-1,555 MiB eager, settling to 1,595 MiB
-#: once compiled; 512 MiB covers the 450-500 MiB seen. The compile's code cache is on disk (~/.cache/vllm).
+#: compiles and warms the model up, in bytes (evidence E): 512 MiB covers the 450-500 MiB seen on the demo
+#: (docs/vllm-cpu-facts.md, "What compiled mode and a second rank add"). The compile's code cache is on disk
+#: (~/.cache/vllm).
 COMPILE_WORKSPACE_BYTES = 512 << 20
 #: What each rank past the first adds to the tree, in bytes (evidence E): one more vLLM worker process
 #: importing torch and vLLM, with its share of the ranks' shared-memory all-reduce buffers (two 4 MiB
-#: segments). Measured with vllm-cpu 0.32 through edge's own stage in a fresh nox venv (``edge run
-#: --tensor-parallel-size 2 --prompt "Hello there" --max-tokens 64 --ignore-eos --json`` on the demo,
-#: VLLM_CPU_OMP_THREADS_BIND "0|1", 2026-12-01): tree PSS 1,997 MiB in two runs against 1,563-1,570 MiB
-#: with one worker, so ~430 MiB (+438 anonymous, +8 shared; the library pages are the same, split over
-#: one more process). That is with ``TORCH_COMPILE_DISABLE`` set, as the plan sets it for an eager TP
-#: session (``edge_core.plan.parallel.EAGER_TP_CPU_ENV``); without it, inductor's compiler processes
-#: added 110-270 MiB more for as long as they ran. A compiled session counts its own workspace per
-#: worker (:data:`COMPILE_WORKSPACE_BYTES`).
+#: segments): ~430 MiB on the demo (docs/vllm-cpu-facts.md, "What compiled mode and a second rank add").
+#: That is with ``TORCH_COMPILE_DISABLE`` set, as the plan sets it for an eager TP session
+#: (``edge_core.plan.parallel.EAGER_TP_CPU_ENV``); without it inductor's compiler processes add more while
+#: they run. A compiled session counts its own workspace per worker (:data:`COMPILE_WORKSPACE_BYTES`).
 EXTRA_RANK_WORKER_BYTES = 512 << 20
 
 
@@ -155,7 +151,7 @@ def packed_table_bytes(manifest: Any, share: DeviceShare | None = None, head_mod
 
     The input embedding and the LM head are two modules even when tied (tying
     shares the weight tensor, and each module still packs its own copy:
-    measured, 594 MiB more at Qwen3-1.7B, tied), unless the model class builds
+    docs/vllm-cpu-facts.md, "Memory of the process tree (PSS, GiB)"), unless the model class builds
     no LM head and computes logits from the embedding (``head_module`` False:
     gemma2, commandr).
     """

