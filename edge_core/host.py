@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,17 @@ def _parse_cpulist(text: str) -> tuple[int, ...]:
         else:
             cpus.append(int(part))
     return tuple(cpus)
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """CPUs in the kernel's list form (``0-3,8``): what ``taskset -c`` and ``VLLM_CPU_OMP_THREADS_BIND`` read."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
 def read_numa_nodes(root: Path) -> tuple[NumaNode, ...]:

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import pytest
 from fakes import GIB
 
-from edge_core.host import parse_cpuinfo, parse_meminfo, read_host
+from edge_core.host import format_cpulist, parse_cpuinfo, parse_meminfo, read_host
 
 
 def test_reads_memory_cores_and_flags_from_the_tree(host_tree):
@@ -60,3 +61,13 @@ def test_host_facts_round_trip_through_json(host_tree):
     again = HostFacts.from_dict(host.to_dict())
     assert again.numa_nodes == host.numa_nodes
     assert again.usable_bytes == host.usable_bytes
+
+
+
+@pytest.mark.parametrize(("cpus", "text"), [
+    ((0,), "0"), ((0, 1), "0-1"), ((3, 0, 1, 2, 8), "0-3,8"), ((1, 3, 5), "1,3,5"),
+])
+def test_a_cpu_set_is_written_in_the_kernels_list_form_and_read_back(cpus, text, host_tree):
+    # The form taskset -c and VLLM_CPU_OMP_THREADS_BIND take; read_host reads the same form back.
+    assert format_cpulist(cpus) == text
+    assert read_host(host_tree(cores=16, allowed_cpus=text)).allowed_cpus == tuple(sorted(cpus))

@@ -7,9 +7,10 @@ multi-host plan.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ...host import format_cpulist
 from .groups import host_of
 from .layout import EXECUTOR_MP, EXECUTOR_RAY, MASTER_PORT, Layout, ParallelRequest
 
@@ -50,17 +51,9 @@ def cpu_bind_list(host: HostFacts | None, ranks: int) -> str | None:
         cpus = list(host.usable_cpus)
         size = min(len(cpus) // ranks, cap or len(cpus))
         groups = [cpus[i * size:(i + 1) * size] for i in range(ranks)]
-    return "|".join(_ranges(g) for g in groups)
+    return "|".join(format_cpulist(g) for g in groups)
 
 
-def _ranges(cpus: Iterable[int]) -> str:
-    runs: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
 def launch_env(device: Device, layout: Layout, session: SessionSpec, facts: Mapping[str, HostFacts | None],

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_core import HostFacts
 from edge_core.devices import Device
+from edge_core.host import format_cpulist
 from edge_core.plan import Refusal
 
 from ._models import architecture_refusals, multimodal_refusals, pipeline_refusals
@@ -145,14 +146,6 @@ def rank_nodes(host: HostFacts, share: DeviceShare | None) -> list[Any] | None:
     return nodes[: share.ranks_here] if len(nodes) >= share.ranks_here else None
 
 
-def _cpu_list(cpus: tuple[int, ...]) -> str:
-    runs: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
 #: What vLLM CPU raises when asked for Ray: its platform has no Ray device key (``ray_device_key`` is empty,
@@ -192,7 +185,7 @@ def core_refusals(device: Device, host: HostFacts, share: DeviceShare | None) ->
         code="parallel_layout_invalid", device_id=device.device_id,
         message=(f"{ranks} vLLM CPU ranks on this host each need cores of their own (vLLM binds "
                  f"every rank's threads apart: VLLM_CPU_OMP_THREADS_BIND, or one NUMA node per rank), but this "
-                 f"process may use {usable} (CPUs {_cpu_list(host.usable_cpus)}{quota})"),
+                 f"process may use {usable} (CPUs {format_cpulist(host.usable_cpus)}{quota})"),
         remedy=(f"use at most {usable} rank{'s' if usable > 1 else ''} here (--tensor-parallel-size x "
                 "--pipeline-parallel-size), or allow more cores (taskset, the cgroup's cpu.max)"),
         details={"dimension": "cpu_cores", "ranks": ranks, "usable_cores": usable,
