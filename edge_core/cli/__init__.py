@@ -97,9 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
-#: Modules whose native objects must be collected at shutdown: frozen, nanobind (triton's binding)
-#: reports every one of them as "leaked" on stderr, ~27 lines after the command's result.
-UNFREEZABLE_MODULES = ("torch", "triton", "vllm", "onnxruntime")
+#: The runtimes an engine command imports. Such a command ends by :func:`exit_now`: a normal shutdown would
+#: spend seconds freeing their modules, and with its objects frozen nanobind (triton's binding) would
+#: report each one as "leaked" on stderr, ~27 lines after the command's result.
+RUNTIME_MODULES = ("torch", "triton", "vllm", "onnxruntime")
 
 
 def console_main() -> int:
@@ -111,7 +112,7 @@ def console_main() -> int:
       shutdown would walk every object still tracked (~23,000 after a plan,
       ~20 ms of a 0.14 s ``edge plan``) for nothing worth finalizing, so they
       are frozen first; the rest of the shutdown runs as usual.
-    * a runtime imported (:data:`UNFREEZABLE_MODULES`: ``run``, ``serve``,
+    * a runtime imported (:data:`RUNTIME_MODULES`: ``run``, ``serve``,
       ``accept``, ``parity``): tearing down torch and vLLM's modules took
       2.3 s after the result was printed (docs/benchmarks.md, "Exit after the
       result"). :func:`exit_now` runs what that shutdown does that matters
@@ -120,7 +121,7 @@ def console_main() -> int:
     Not in :func:`main`, which tests call in-process.
     """
     code = main()
-    if any(name in sys.modules for name in UNFREEZABLE_MODULES):
+    if any(name in sys.modules for name in RUNTIME_MODULES):
         exit_now(code)
     gc.freeze()
     return code
