@@ -58,7 +58,7 @@ LOG_LINES = {
 
 def missing() -> list[str]:
     """What this interpreter lacks to run the check."""
-    from edge_core.vllm_source import installed_vllm
+    from edge_core.kit.vllm_source import installed_vllm
 
     needs = {"pynvml": "nvidia-ml-py", "edge_cuda": "edge-cuda (pip install -e plugins/edge_cuda)"}
     lacking = [what for module, what in needs.items() if importlib.util.find_spec(module) is None]

@@ -51,7 +51,7 @@ def main() -> int:
         print(f"ratio: edge is {vllm_median / edge_median:.1f}x faster (target >= 10x, and edge <= 0.25 s)")
     else:
         print("vllm is not installed in this interpreter: no baseline to compare against")
-    from edge_core.registry import Registry
+    from edge_core.services.registry import Registry
 
     registry = Registry()
     registry.load()

@@ -31,7 +31,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--records", type=int, default=10)
     args = parser.parse_args()
-    from edge_core import host_ledger as hl
+    from edge_core.services import host_ledger as hl
 
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
                 for _ in range(args.records)]

@@ -11,7 +11,7 @@ from .devices import Device
 from .errors import ArtifactError, EdgeError, StageError, UsageError
 from .hookspecs import API_VERSION, hookimpl
 from .host import HostFacts, NumaNode
-from .plan import ExecutionMode, Plan, Refusal, SessionSpec
+from .plans import ExecutionMode, Plan, Refusal, SessionSpec
 from .stream import DeltaEvent, StageRequest, StateHandle
 
 __all__ = [

@@ -31,12 +31,11 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # imported for annotations only: the core stays cheap to import
-    from .artifact import Manifest
     from .budget import Reservation
     from .devices import Device, DeviceCounter
     from .host import HostFacts
-    from .plan import ExecutionMode, Plan, Refusal, SessionSpec
-    from .plan.parallel import DeviceShare
+    from .manifest import Manifest
+    from .plans import DeviceShare, ExecutionMode, Plan, Refusal, SessionSpec
     from .serving import ServerHandle, ServerOptions
     from .stream import DeltaEvent, StageRequest
 

@@ -26,8 +26,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edge_core import artifact
-from edge_core.artifact import Manifest, read_manifest, weight_format_for
+from edge_core.artifact import read_manifest, weight_format_for
 from edge_core.errors import ArtifactError
+from edge_core.manifest import Manifest
 
 BYTES_PER = {"bfloat16": 2, "float16": 2, "float32": 4}
 

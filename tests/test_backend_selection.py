@@ -18,7 +18,7 @@ from edge_core.artifact import DEMO_MODEL
 from edge_core.cli import main
 from edge_core.errors import UsageError
 from edge_core.plan import only_backend
-from edge_core.registry import Registry
+from edge_core.services.registry import Registry
 
 GIB = 1 << 30
 

@@ -8,8 +8,8 @@ from edge_core.artifact import DEMO_MODEL, read_manifest
 from edge_core.cli import build_parser
 from edge_core.devices import Device
 from edge_core.errors import UsageError
-from edge_core.plan import ExecutionMode, SessionSpec
 from edge_core.plan.execution import DEFAULT_REASON, execution_mode, with_mode
+from edge_core.plans import ExecutionMode, SessionSpec
 
 GPU = Device.from_dict({"device_id": "acme:0", "kind": "gpu_discrete", "vendor": "acme", "name": "Acme",
                         "backend": "acme", "plugin": "acme", "runnable": True, "memory_pool": "vram",

@@ -22,18 +22,18 @@ from pathlib import Path
 import pytest
 
 from edge_core import hookimpl
-from edge_core import host_ledger as hl
 from edge_core.cli.run import describe_stage_record
 from edge_core.devices import Device
 from edge_core.errors import UsageError
 from edge_core.host import HostFacts
-from edge_core.plan import SessionSpec, make_plan, plan_graph_stage
+from edge_core.plan import make_plan, plan_graph_stage
 from edge_core.plan.graph_stage import NUMERIC_TOLERANCE
 from edge_core.plan.ledger import ledger_bytes
-from edge_core.registry import Registry
+from edge_core.plans import SessionSpec
 from edge_core.routes import ROUTES_EXTRA, Route, resolve
-from edge_core.runtime import compare_outputs, run_graph_stage
-from edge_core.runtime.graph_run import admit_stage
+from edge_core.runtime.graph_run import admit_stage, compare_outputs, run_graph_stage
+from edge_core.services import host_ledger as hl
+from edge_core.services.registry import Registry
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "edge_core" / "demo" / "tiny-llama"
@@ -127,7 +127,7 @@ def ledger(tmp_path, monkeypatch) -> Path:
 #: Another edge process on this host: admitted and registered as the CLI does, then alive until killed.
 OTHER_SESSION = """
 import sys, time
-from edge_core.host_ledger import admission
+from edge_core.services.host_ledger import admission
 reserved = int(sys.argv[1])
 with admission() as taken:
     taken.register(command="edge serve", model="Qwen/Qwen2.5-7B", artifact_id=None, device_ids=("cpu",),
@@ -310,7 +310,8 @@ def test_planning_a_graph_imports_no_onnxruntime(fp32_graph):
     pytest.importorskip("onnx")
     script = (
         "import sys\n"
-        "from edge_core.plan import make_plan, SessionSpec\n"
+        "from edge_core.plan import make_plan\n"
+        "from edge_core.plans import SessionSpec\n"
         "from edge_core.devices import Device\n"
         "d = Device(device_id='npu:amd', kind='npu', vendor='amd', name='n', backend='ort:vitisai', runnable=True,\n"
         "           memory_pool='host_ram', memory_bytes=0, weight_formats=('onnx:a16w8',))\n"

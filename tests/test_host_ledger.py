@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from edge_core import host_ledger as hl
 from edge_core.devices import load_device_list
 from edge_core.errors import UsageError
 from edge_core.host import HostFacts
-from edge_core.plan import SessionSpec, make_plan
+from edge_core.plan import make_plan
+from edge_core.plans import SessionSpec
+from edge_core.services import host_ledger as hl
 
 DATA = Path(__file__).parent / "data"
 GIB = 1 << 30
@@ -193,7 +194,8 @@ RACER = textwrap.dedent("""
     from edge_core.runtime.admission import admit
     from edge_core.devices import load_device_list
     from edge_core.host import HostFacts
-    from edge_core.plan import SessionSpec, make_plan
+    from edge_core.plan import make_plan
+    from edge_core.plans import SessionSpec
 
     devices, host = load_device_list({devices!r})
     host = HostFacts.from_dict(host)

@@ -1,18 +1,18 @@
 """The layout keeps its one rule, and the cheap commands stay cheap.
 
-The rule (README, docs/writing-a-backend.md): top-level modules of
-``edge_core`` are the contract backends import; each sub-package is one
-layer; imports point down only — ``cli -> runtime -> plan -> artifact ->
-contract`` — with the backend kit (``vllm_hooks``, ``ort_hooks``,
-``testing``) on top. The import graph is read from the source with ``ast``:
-imports inside functions count (a cycle hidden in a function is still a
-cycle), imports under ``if TYPE_CHECKING:`` do not (they cost nothing at run
-time) — except in the strict-xfail check of issue 23's open contract move, which
-counts them too and says what still crosses. ``nox -s lint`` checks the layering with import-linter too; this file
-also checks what import-linter's layers contract does not: no cycle anywhere,
-no private name crossing a module line, backends importing only documented
-paths — and, in fresh interpreters, that ``edge devices``, ``edge plugins``
-and ``edge plan`` import no runtime.
+The rule (README, docs/writing-a-backend.md): the top-level modules of
+``edge_core`` are the contract backends import, and nothing else; each
+sub-package is one tier, and imports point down only — ``kit/testing -> cli ->
+runtime -> plan/page -> artifact -> services -> contract``. The import graph
+is read from the source with ``ast``, and every import counts: one inside a
+function (a cycle hidden in a function is still a cycle) and one under ``if
+TYPE_CHECKING:`` (a type costs nothing at run time, but a cycle through it is
+still a cycle, and a contract type living in a layer is not the contract).
+``nox -s lint`` checks the tiers with import-linter too; this file also checks
+what import-linter's layers contract does not: no cycle anywhere, no private
+name crossing a module line, backends importing only documented paths — and,
+in fresh interpreters, that ``edge devices``, ``edge plugins`` and ``edge
+plan`` import no runtime.
 """
 
 from __future__ import annotations
@@ -28,22 +28,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "edge_core"
 
 #: Layer rank of each part of edge_core: a module may import only ranks <= its own.
-KIT = ("edge_core.vllm_hooks", "edge_core.ort_hooks", "edge_core.testing")
-LAYERS = {"edge_core.cli": 4, "edge_core.runtime": 3, "edge_core.plan": 2, "edge_core.artifact": 1}
+LAYERS = {"edge_core.kit": 6, "edge_core.testing": 6, "edge_core.cli": 5, "edge_core.runtime": 4, "edge_core.plan": 3,
+          "edge_core.page": 3, "edge_core.artifact": 2, "edge_core.services": 1}
 #: The modules a backend may import (docs/writing-a-backend.md, "What you may import").
 DOCUMENTED_FOR_BACKENDS = (
     "edge_core", "edge_core.hookspecs", "edge_core.devices", "edge_core.host", "edge_core.budget",
-    "edge_core.stream", "edge_core.errors", "edge_core.routes", "edge_core.builds", "edge_core.serving", "edge_core.plan",
-    "edge_core.artifact", "edge_core.testing", "edge_core.vllm_hooks", "edge_core.ort_hooks",
-    "edge_core.runtime.ort_stage", "edge_core.runtime.vllm_stage", "edge_core.vllm_source",
+    "edge_core.stream", "edge_core.errors", "edge_core.routes", "edge_core.builds", "edge_core.serving", "edge_core.plans",
+    "edge_core.manifest", "edge_core.plan", "edge_core.artifact", "edge_core.testing", "edge_core.kit.vllm_hooks", "edge_core.kit.ort_hooks",
+    "edge_core.runtime.ort_stage", "edge_core.runtime.vllm_stage", "edge_core.kit.vllm_source",
 )
 
 
 def rank(module: str) -> int:
     if module == "edge_core" or module == "edge_core.__main__":
-        return 6  # the package's public face and `python -m`: they may import anything, nothing imports them
-    if any(module == k or module.startswith(k + ".") for k in KIT):
-        return 5
+        return 7  # the package's public face and `python -m`: they may import anything, nothing imports them
     for layer, value in LAYERS.items():
         if module == layer or module.startswith(layer + "."):
             return value
@@ -57,26 +55,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _type_checking_block(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
-
-
-def imports_of(path: Path, module: str, annotations: bool = False) -> list[tuple[str, tuple[str, ...], int]]:
-    """(imported module, names taken from it, line) for every run-time import in ``path``; with
-    ``annotations``, the imports under ``if TYPE_CHECKING:`` too."""
+def imports_of(path: Path, module: str) -> list[tuple[str, tuple[str, ...], int]]:
+    """(imported module, names taken from it, line) for every import in ``path``, wherever it stands."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: list[tuple[str, tuple[str, ...], int]] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if not annotations and _type_checking_block(child):
-                for other in getattr(child, "orelse", []):
-                    visit(other)
-                continue
             if isinstance(child, ast.Import):
                 out.extend((alias.name, (), child.lineno) for alias in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -92,13 +78,12 @@ def imports_of(path: Path, module: str, annotations: bool = False) -> list[tuple
     return out
 
 
-def edge_graph(root: Path = PACKAGE, annotations: bool = False) -> dict[str, set[str]]:
-    """Module -> the edge_core modules it imports (``from pkg import submodule`` resolves to the submodule);
-    with ``annotations``, counting the imports made for type annotations only."""
+def edge_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the edge_core modules it imports (``from pkg import submodule`` resolves to the submodule)."""
     files = {module_name(p): p for p in root.rglob("*.py") if "demo" not in p.parts}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for module, path in files.items():
-        for target, names, _ in imports_of(path, module, annotations):
+        for target, names, _ in imports_of(path, module):
             if not target.startswith("edge_core"):
                 continue
             hits = {f"{target}.{n}" for n in names if f"{target}.{n}" in files}
@@ -169,15 +154,6 @@ def test_imports_point_down_only():
     assert upward_imports(edge_graph()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23, open: hookspecs annotates with Plan, Refusal, SessionSpec, "
-                   "ExecutionMode, DeviceShare and Manifest, which live inside plan/ and artifact/")
-def test_counting_annotation_imports_the_graph_still_has_no_cycle_and_points_down():
-    # The contract the issue asks for: types cost nothing at run time, but a cycle or an upward import
-    # through them is still one. Strict: this passes, and so fails, once the value types are top level.
-    graph = edge_graph(annotations=True)
-    assert cycles(graph) == [] and upward_imports(graph) == []
-
-
 def test_no_private_name_crosses_a_module_line():
     assert private_crossings() == []
     for backend in (*ROOT.glob("plugins/*/edge_*"), *ROOT.glob("examples/*/edge_*")):
@@ -219,12 +195,12 @@ def test_the_checks_catch_a_cycle_an_upward_import_and_a_private_name(tmp_path):
     assert crossing.endswith(":2 takes edge_core.runtime.vllm_stage._reap")
 
 
-def test_type_checking_imports_and_function_imports_are_told_apart(tmp_path):
+def test_imports_for_annotations_and_inside_functions_count(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from edge_core.cli import x\n"
                       "def f():\n    from edge_core.runtime import y\n")
     targets = [t for t, _, _ in imports_of(source, "m")]
-    assert "edge_core.runtime" in targets and "edge_core.cli" not in targets
+    assert "edge_core.runtime" in targets and "edge_core.cli" in targets
 
 
 # ---------------------------------------------------------------- cheap commands stay cheap

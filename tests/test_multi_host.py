@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from edge_core.devices import Device
-from edge_core.plan.parallel import Layout, node_commands
+from edge_core.plan.parallel import node_commands
+from edge_core.plans import Layout
 
 
 def _device(device_id: str, host: str | None = None) -> Device:

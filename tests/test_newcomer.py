@@ -29,7 +29,7 @@ from fake_hub import SilentEndpoint
 from edge_core.artifact import DEMO_MODEL
 from edge_core.cli import main
 from edge_core.errors import PluginError
-from edge_core.registry import Registry
+from edge_core.services.registry import Registry
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_CPU = importlib.util.find_spec("edge_cpu") is not None
@@ -307,7 +307,7 @@ def test_ps_names_the_interpreter_as_devices_does(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import sys, time
-            from edge_core.host_ledger import admission
+            from edge_core.services.host_ledger import admission
             with admission() as taken:
                 taken.register(command="edge run", model="demo", artifact_id=None, device_ids=("cpu",),
                                reserved_bytes={"host_ram": 1}, predicted_peak_bytes=1, headroom_bytes=0)

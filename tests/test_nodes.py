@@ -239,7 +239,7 @@ def test_a_head_stopped_while_gathering_tells_the_nodes_already_there():
 HEAD_PROCESS = """
 import json, sys, time
 from types import SimpleNamespace
-from edge_core.host_ledger import admission
+from edge_core.services.host_ledger import admission
 from edge_core.runtime.nodes import joined
 from edge_core.runtime.session import TerminationAsInterrupt
 
@@ -336,7 +336,6 @@ def test_parity_on_the_head_runs_the_stage_joined_and_the_reference_alone_on_one
     monkeypatch.setattr(cli_run, "plan_from_args", lambda wanted, **kw: (asked.update(wanted=wanted) or reference,
                                                                           None))
     monkeypatch.setattr(parity, "run_parity", run_parity)
-    monkeypatch.setattr("edge_core.runtime.run_parity", run_parity)
     with pytest.raises(Ran):
         cli_run.cmd_parity(parity_args("--node-rank", "0", "--master-port", "29600"))
     wanted = asked["wanted"]

@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 import pytest
 
-from edge_core.runtime import PROMPTS
+from edge_core.runtime.accept import PROMPTS
 
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 pytestmark = [

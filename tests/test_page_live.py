@@ -19,8 +19,8 @@ from browser import NO_BROWSER, Browser, chromium_or_skip, find_chromium, instal
 
 from edge_core.artifact import DEMO_MODEL
 from edge_core.cli import main
-from edge_core.documents import enveloped
 from edge_core.page import PAGE_PATH, live_page
+from edge_core.runtime.documents import enveloped
 
 #: Present, or being installed by .ci/run (the tests then wait for it: chromium_or_skip).
 BROWSER_EXPECTED = find_chromium() is not None or install_pending()

@@ -20,7 +20,7 @@ import sys
 import psutil
 import pytest
 
-from edge_core.runtime import ACCEPT_TOKENS
+from edge_core.runtime.accept import ACCEPT_TOKENS
 
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 pytestmark = [

@@ -12,10 +12,11 @@ from edge_core.artifact import read_manifest
 from edge_core.budget import peak
 from edge_core.devices import load_device_list
 from edge_core.host import HostFacts, read_host
-from edge_core.plan import SessionSpec, candidate_order, make_plan
+from edge_core.plan import candidate_order, make_plan
 from edge_core.plan.kv import estimate_kv
 from edge_core.plan.parallel import ParallelRequest
-from edge_core.registry import Registry
+from edge_core.plans import SessionSpec
+from edge_core.services.registry import Registry
 
 DATA = Path(__file__).parent / "data"
 DEMO = Path(__file__).resolve().parents[1] / "edge_core" / "demo"
@@ -404,7 +405,7 @@ def test_the_selected_devices_verdict_carries_the_admitted_budget(llama8b):
 
 
 def test_unknown_gate_names_are_refused():
-    from edge_core.plan import DeviceVerdict
+    from edge_core.plans import DeviceVerdict
 
     with pytest.raises(ValueError, match="unknown gate 'vibes'"):
         DeviceVerdict("cpu", False, gate="vibes")

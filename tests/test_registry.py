@@ -9,7 +9,7 @@ from fakes import FakeEntryPoint, plugin_module
 
 from edge_core import Device
 from edge_core.host import read_host
-from edge_core.registry import Registry
+from edge_core.services.registry import Registry
 
 
 def device(device_id="gpu_discrete:toy", **changes):

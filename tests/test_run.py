@@ -23,9 +23,11 @@ import pytest
 
 from edge_core.artifact import DEMO_DIR
 from edge_core.cli.run import budget_lines
-from edge_core.plan import REFUSAL_CODES
-from edge_core.runtime import PROMPTS, first_divergence, memory_record
+from edge_core.plans import REFUSAL_CODES
+from edge_core.runtime.accept import PROMPTS
 from edge_core.runtime.measure import CounterReport, MemoryReport
+from edge_core.runtime.parity import first_divergence
+from edge_core.runtime.session import memory_record
 
 MIB = 1 << 20
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
@@ -255,6 +257,6 @@ class TestRealEngine:
 def test_the_cli_help_counts_are_the_runtimes_acceptance_figures():
     # --help names them without importing the runtime; they must be the runtime's own.
     from edge_core.cli import run
-    from edge_core.runtime import ACCEPT_TOKENS
+    from edge_core.runtime.accept import ACCEPT_TOKENS
 
     assert (run.PROMPT_COUNT, run.ACCEPT_TOKENS) == (len(PROMPTS), ACCEPT_TOKENS)

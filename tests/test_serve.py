@@ -337,9 +337,10 @@ def fake_server_backend(calls: list) -> object:
 
 def test_hook_start_server_gets_a_bound_socket_and_edge_routes_and_its_report_is_the_record():
     from edge_core.host import read_host
-    from edge_core.plan import SessionSpec, make_plan
-    from edge_core.registry import Registry
+    from edge_core.plan import make_plan
+    from edge_core.plans import SessionSpec
     from edge_core.runtime.serve import serve_plan
+    from edge_core.services.registry import Registry
 
     calls: list = []
     registry = Registry(allow=["fake"])
@@ -377,9 +378,10 @@ def test_hook_start_server_gets_a_bound_socket_and_edge_routes_and_its_report_is
 
 def test_a_backend_without_start_server_cannot_serve():
     from edge_core.host import read_host
-    from edge_core.plan import SessionSpec, make_plan
-    from edge_core.registry import Registry
+    from edge_core.plan import make_plan
+    from edge_core.plans import SessionSpec
     from edge_core.runtime.serve import serve_plan
+    from edge_core.services.registry import Registry
 
     calls: list = []
     module = fake_server_backend(calls)

@@ -18,8 +18,8 @@ import urllib.request
 import pytest
 
 from edge_core.artifact import DEMO_MODEL
-from edge_core.documents import SCHEMA_VERSION
 from edge_core.page import PAGE_PATH, live_page
+from edge_core.runtime.documents import SCHEMA_VERSION
 
 MIB = 1 << 20
 PATHS = ("/edge/plan", "/edge/memory", PAGE_PATH)
@@ -88,9 +88,10 @@ class Said:
 def served():
     """One fake server's answers to each path, its plan, and what it said."""
     from edge_core.host import read_host
-    from edge_core.plan import SessionSpec, make_plan
-    from edge_core.registry import Registry
+    from edge_core.plan import make_plan
+    from edge_core.plans import SessionSpec
     from edge_core.runtime.serve import serve_plan
+    from edge_core.services.registry import Registry
 
     registry = Registry(allow=["fake"])
     registry.register(answering_backend(), "fake")

@@ -1,10 +1,10 @@
-"""The one ``ast`` package reader (``edge_core/source_tree.py``): parses once, names what it cannot read."""
+"""The one ``ast`` package reader (``edge_core/services/source_tree.py``): parses once, names what it cannot read."""
 
 from __future__ import annotations
 
 import pytest
 
-from edge_core.source_tree import MAX_SOURCE_BYTES, SourceTree, Unreadable
+from edge_core.services.source_tree import MAX_SOURCE_BYTES, SourceTree, Unreadable
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from edge_core.kit.vllm_source import MODEL_REGISTRY, installed_vllm, pp_support, registered_models
 from edge_core.testing import write_fake_vllm_models
-from edge_core.vllm_source import MODEL_REGISTRY, installed_vllm, pp_support, registered_models
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_installed_vllm_says_which_classes_support_pp(architecture, supported):
 def test_reading_the_source_imports_neither_vllm_nor_torch(fake_root):
     script = (
         "import sys\n"
-        "from edge_core.vllm_source import installed_vllm, pp_support, registered_models\n"
+        "from edge_core.kit.vllm_source import installed_vllm, pp_support, registered_models\n"
         f"roots = [r for r in (installed_vllm()[2], {str(fake_root)!r}) if r is not None]\n"
         "for root in roots:\n"
         "    registry = registered_models(root)\n"

@@ -23,13 +23,13 @@ from itertools import chain, repeat
 from typing import Any, NamedTuple
 
 from ..errors import ArtifactError
+from ..manifest import ARTIFACT_ID_HEX_CHARS, Manifest
 from . import header_cache
 from ._files import canonical, check_contained, content_digest, parse_json, read_bounded, read_json
 from .config import CONFIG_NAME, identity, quantization_of, read_config_sized, resolve_text_config
-from .formats import weight_format_for
+from .formats import quantization_scheme_for, weight_format_for
 from .header import SAFETENSORS_DTYPES, ShardHeader, ShardTensors, TensorTable, check_header, read_header
 from .library_defaults import fill_library_defaults
-from .manifest import ARTIFACT_ID_HEX_CHARS, Manifest
 
 INDEX_NAME = "model.safetensors.index.json"
 #: ModelOpt writes its scheme here when config.json carries none (vLLM reads it too).
@@ -116,6 +116,7 @@ def read_checkpoint(root: str, names: set[str], has_safetensors: bool, digest_we
         total_file_bytes=sum(size for _, size in files),
         config=config,
         quantization=copy.deepcopy(quantization),
+        quantization_scheme=quantization_scheme_for(quantization) if quantization is not None else None,
         artifact_id=ident.hexdigest()[:ARTIFACT_ID_HEX_CHARS],
         content_digest=content_digest(root, [h.name for h in weights.headers]) if digest_weights else None,
         text_config_key=text_key,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..source_tree import SourceTree
+from ..services.source_tree import SourceTree
 
 #: The base every configuration class ends at; its own fields (dtype, labels) are not geometry.
 _ROOT_CONFIGS = frozenset({"PreTrainedConfig", "PretrainedConfig"})

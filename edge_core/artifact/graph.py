@@ -19,9 +19,9 @@ import os
 from typing import Any
 
 from ..errors import ArtifactError
+from ..manifest import ARTIFACT_ID_HEX_CHARS, Manifest
 from ._files import canonical, check_contained, content_digest, listdir, open_regular, regular_file
 from .config import CONFIG_NAME, identity, read_config_sized, resolve_text_config
-from .manifest import ARTIFACT_ID_HEX_CHARS, Manifest
 
 #: protobuf cannot serialize a message past 2 GiB; a larger .onnx is not a graph.
 MAX_GRAPH_FILE_BYTES = 2**31

@@ -33,11 +33,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ArtifactError, UsageError
+from ..manifest import ModelSource, transfer_size
 from .checkpoint import INDEX_NAME, MODELOPT_CONFIG_NAME, PICKLE_REMEDY, PICKLE_SUFFIXES
 from .config import CONFIG_NAME
 from .hub_fetch import RangeFetcher, remote_header, time_left
@@ -58,51 +58,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}/[A-Za-z0-9_.\-]{1,96}$"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 SOURCE_KINDS = ("local", "cache", "hub")
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model came from and the directory planned.
-
-    ``kind``: ``local`` (a path the user gave), ``cache`` (a complete snapshot in
-    the Hugging Face cache), ``hub`` (headers fetched from the Hub into edge's
-    metadata cache; ``weights_present`` False). ``fetched_bytes`` counts what
-    this resolution transferred (0 when the metadata cache had it).
-    """
-
-    kind: str
-    path: str
-    repo: str | None = None
-    revision: str | None = None
-    commit: str | None = None
-    weights_present: bool = True
-    fetched_bytes: int = 0
-    remote_bytes: int | None = None
-    weight_files: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "path": self.path, "repo": self.repo, "revision": self.revision,
-                "commit": self.commit, "weights_present": self.weights_present,
-                "fetched_bytes": self.fetched_bytes, "remote_bytes": self.remote_bytes}
-
-    def describe(self) -> str:
-        """One line for the text output, e.g. ``hub Qwen/Qwen2.5-7B@main (a1b2c3d): fetched 412 KiB of 15.2 GB``."""
-        if self.kind == "local":
-            return f"local {self.path}"
-        where = f"{self.repo}@{self.revision or 'main'} ({(self.commit or '?')[:12]})"
-        if self.kind == "cache":
-            return f"cache {where}: {self.path}"
-        got = f"fetched {_size(self.fetched_bytes)}" if self.fetched_bytes else "headers from edge's metadata cache"
-        of = f" of a {_size(self.remote_bytes)} checkpoint" if self.remote_bytes else ""
-        return f"hub {where}: {got}{of}; weights not downloaded"
-
-
-def _size(n: int | None) -> str:
-    n = n or 0
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}" if unit != "KiB" else f"{n // 1024} KiB"
-    return f"{n} B"
 
 
 def looks_like_hub_id(ref: str) -> bool:
@@ -478,8 +433,8 @@ def download(source: ModelSource, environ: Mapping[str, str] | None = None) -> M
     free = free_bytes(settings.cache_dir)
     if missing > free:
         raise ArtifactError("disk_space_insufficient",
-                            f"{source.repo} needs {_size(missing)} more in {settings.cache_dir}, which has "
-                            f"{_size(free)} free", "free space there, or point HF_HUB_CACHE at a larger disk", None)
+                            f"{source.repo} needs {transfer_size(missing)} more in {settings.cache_dir}, which has "
+                            f"{transfer_size(free)} free", "free space there, or point HF_HUB_CACHE at a larger disk", None)
     hub = _hub_modules()
     try:
         path = hub.snapshot_download(source.repo, revision=source.commit, cache_dir=str(settings.cache_dir),

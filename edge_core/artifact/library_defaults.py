@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..source_tree import SourceTree, Unreadable
+from ..services.source_tree import SourceTree, Unreadable
 from .config_class import NO_VALUE, PER_LAYER_CONFIG, ConfigSource, NotReadable
 from .derivation import DERIVED_FIELDS, derive_field
 from .families import ATTENTION_FREE_MODEL_TYPES

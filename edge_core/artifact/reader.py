@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 
 from ..errors import ArtifactError
+from ..manifest import Manifest
 from ._files import listdir
 from .checkpoint import INDEX_NAME, read_checkpoint
-from .manifest import Manifest
 
 #: Appears in a refusal only when input reached a case no check anticipated.
 INTERNAL_MARK = "unanticipated input (an edge bug)"

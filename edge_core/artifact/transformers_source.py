@@ -3,7 +3,7 @@
 Found as ``AutoConfig`` finds it (``CONFIG_MAPPING_NAMES`` and
 ``model_type_to_module_name`` in ``models/auto/configuration_auto.py``; a
 wrapper's ``sub_configs`` when the text config names no model_type), with
-every file read by :class:`~edge_core.source_tree.SourceTree`: located and
+every file read by :class:`~edge_core.services.source_tree.SourceTree`: located and
 parsed, never imported.
 """
 
@@ -16,7 +16,7 @@ import os
 import re
 from typing import Any
 
-from ..source_tree import SourceTree
+from ..services.source_tree import SourceTree
 from .config_class import ConfigSource, NotReadable, class_source, dotted_tail, import_target
 
 _VERSION_LINE = re.compile(r"""^__version__\s*=\s*(["'])([^"'\n]+)\1""", re.MULTILINE)

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from .._version import __version__
-from ..documents import SCHEMA_VERSION
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeError, UsageError
+from ..runtime.documents import SCHEMA_VERSION
 from ._common import ArgumentError, Parser
 from .devices import add_device_commands
 from .models import add_models_command

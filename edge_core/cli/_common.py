@@ -13,9 +13,9 @@ import sys
 from typing import Any
 
 from ..devices import MASK_ENV, parse_mask
-from ..documents import enveloped
 from ..errors import UsageError
-from ..registry import HEALTHY, SKIPPED, Registry
+from ..runtime.documents import enveloped
+from ..services.registry import HEALTHY, SKIPPED, Registry
 
 #: Set to 1 to turn any plugin problem into a non-zero exit (same as --strict).
 STRICT_ENV = "EDGE_STRICT"

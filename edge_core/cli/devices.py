@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from ..errors import EdgeError
-from ..registry import Registry, discover, install_hint
+from ..services.registry import Registry, discover, install_hint
 from ._common import common_options, gib, mask_from, mask_option, registry_from, strict_exit, write_document
 
 

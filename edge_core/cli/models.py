@@ -50,8 +50,9 @@ def cached_revisions() -> tuple[str, list[dict[str, Any]], list[str]]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from ..plan import SessionSpec, make_plan
-    from ..registry import discover
+    from ..plan import make_plan
+    from ..plans import SessionSpec
+    from ..services.registry import discover
 
     started = time.perf_counter()
     cache, rows, warnings = cached_revisions()

@@ -18,16 +18,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..artifact import DEMO_MODEL
 from ..errors import EXIT_OK, EXIT_REFUSED, UsageError
-from ..plan import ExecutionMode, Plan, SessionSpec
-from ..registry import Registry
+from ..plans import ExecutionMode, Plan, SessionSpec
+from ..services.registry import Registry
 from ._common import common_options, mask_from, mask_option, mib, positive_int, registry_from, write_document
 
 if TYPE_CHECKING:
-    from ..budget import Peak, Reservation
-    from ..plan import DeviceVerdict, KVEstimate
+    from ..budget import KVEstimate, Peak, Reservation
     from ..plan.parallel import ParallelRequest
+    from ..plans import DeviceVerdict
 
 def planning_options(parser: argparse.ArgumentParser, max_num_seqs: int = 1) -> None:
     """The options every command that plans a model takes; ``max_num_seqs`` is the command's default."""
@@ -35,7 +34,7 @@ def planning_options(parser: argparse.ArgumentParser, max_num_seqs: int = 1) -> 
                         help="checkpoint directory, ONNX graph, or Hugging Face Hub id (an existing path wins; "
                              "then the Hugging Face cache; then the Hub at HF_ENDPOINT, planned from the "
                              "safetensors headers without downloading a weight) "
-                             f"(default: the bundled demo, {DEMO_MODEL.name})")
+                             "(default: the bundled demo checkpoint, tiny-llama)")
     parser.add_argument("--revision", metavar="REV",
                         help="branch, tag or commit of a Hub id (default: main)")
     parser.add_argument("--max-model-len", type=positive_int, metavar="N",
@@ -162,6 +161,7 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
     ``count_others=False``: planned without the host ledger).
     """
     # Imported here, not with the module: `edge devices` builds this parser too.
+    from ..artifact.demo import DEMO_MODEL
     from ..runtime.admission import PlanRequest, find_devices, plan_model
 
     registry = registry_from(args)

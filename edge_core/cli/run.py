@@ -20,10 +20,9 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..artifact import DEMO_MODEL, DEMO_MODEL_HD16
 from ..errors import EXIT_DIVERGED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, UsageError
-from ..plan import GraphStagePlan, Plan
-from ..registry import Registry
+from ..plans import GraphStagePlan, Plan
+from ..services.registry import Registry
 from ..stream import StageRequest
 from ._common import common_options, mask_from, mask_option, mib, plugin_options, positive_int, write_document
 from .plan import plan_from_args, planning_options, print_plan
@@ -231,6 +230,8 @@ def printable(text: str) -> str:
 
 def is_demo(model_path: str) -> bool:
     """True for the bundled random-weight checkpoints."""
+    from ..artifact.demo import DEMO_MODEL, DEMO_MODEL_HD16
+
     here = os.path.realpath(model_path)
     return any(here == os.path.realpath(demo) for demo in (DEMO_MODEL, DEMO_MODEL_HD16))
 
@@ -340,7 +341,7 @@ def run_node(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: f
 
 def run_graph(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: float) -> int:
     """``edge run --model GRAPH.onnx``: one request of sample tensors, then the placement and numeric gates."""
-    from ..runtime import run_graph_stage
+    from ..runtime.graph_run import run_graph_stage
 
     if not args.json:
         print_plan(plan, plan_s, explain=args.explain)
@@ -377,7 +378,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if context is not None and args.max_tokens >= context:
         say(f"edge: warning: --max-tokens {args.max_tokens} does not fit the {context}-token context beside the "
             f"prompt; the output stops when the context is full (--max-model-len sets it)")
-    from ..runtime import run_session
+    from ..runtime.session import run_session
 
     if not args.json and is_demo(plan.model_path):
         say("edge: the demo checkpoint has random weights: the text below is noise (bytes that are no "
@@ -436,7 +437,7 @@ def cmd_accept(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     # The masked decision comes before anything imports vLLM, so "no engine" is checkable.
     masked_plan, _, masked_s = plan_here(args, mask_from(args) | {plan.selected_device.kind})
-    from ..runtime import run_acceptance
+    from ..runtime.accept import run_acceptance
 
     engine_log, keep = engine_log_from(args, "accept")
     with joined_nodes(plan):
@@ -484,7 +485,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
                            "parity", args.json)
             tell_nodes(args, reference)
             return EXIT_REFUSED
-    from ..runtime import run_parity
+    from ..runtime.parity import run_parity
 
     engine_log, keep = engine_log_from(args, "parity")
     document = run_parity(plan, registry, max_tokens=args.max_tokens, observer=TerminalObserver(),

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, UsageError
-from ..plan import Refusal
+from ..plans import Refusal
 from ._common import mask_option, mib, plugin_options, positive_int, write_document
 from .plan import planning_options, print_plan
 from .progress import TerminalObserver, say

@@ -1,7 +1,7 @@
 """``edge ps`` and ``edge stop``: the live edge sessions on this host, from the host-wide ledger.
 
 Every session that runs an engine (``run``, ``serve``, ``accept``, ``parity``)
-registers in :mod:`edge_core.host_ledger` when it is admitted, whatever venv
+registers in :mod:`edge_core.services.host_ledger` when it is admitted, whatever venv
 it runs in; ``ps`` lists them with the prediction beside the measurement,
 ``stop`` sends them SIGTERM (edge's clean stop) and waits for their records to go.
 """
@@ -50,7 +50,7 @@ def _age(seconds: float) -> str:
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
-    from ..host_ledger import read_ledger
+    from ..services.host_ledger import read_ledger
 
     view = read_ledger()
     now = time.time()
@@ -73,7 +73,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from ..host_ledger import is_live, read_ledger
+    from ..services.host_ledger import is_live, read_ledger
 
     view = read_ledger()
     if args.target == "all":

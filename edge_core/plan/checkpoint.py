@@ -15,25 +15,24 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ArtifactError, UsageError
-from ..registry import SKIPPED, install_hint
+from ..plans import STAGE_ONLY_KINDS, DeviceVerdict, ExecutionMode, Plan, Refusal, SessionSpec
+from ..services.registry import SKIPPED, install_hint
 from .execution import execution_mode, with_mode
 from .gates import Judgement, Owner, Walk, backend_budget, budget_gates, format_gate, walk
 from .kv import estimate_kv
 from .remedies import capacity_refusal, shorter_context_fallbacks
 from .terms import core_reservations
-from .types import STAGE_ONLY_KINDS, DeviceVerdict, ExecutionMode, Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..artifact import Manifest
-    from ..budget import Peak, Reservation
+    from ..budget import KVEstimate, Peak, Reservation
     from ..devices import Device
     from ..host import HostFacts
-    from ..host_ledger import LedgerView
-    from ..registry import PluginRecord, Registry
-    from .kv import KVEstimate
-    from .parallel import DeviceShare
+    from ..manifest import Manifest
+    from ..plans import DeviceShare
+    from ..services.host_ledger import LedgerView
+    from ..services.registry import PluginRecord, Registry
 
 #: Engine default when the user sets no token budget per forward pass.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -138,7 +137,7 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
     """Walk the gates for every candidate device and return the plan, admitted or refused.
 
     ``ledger`` is what other live edge sessions on this host were admitted to
-    hold (:mod:`edge_core.host_ledger`); the capacity gate counts what of it the
+    hold (:mod:`edge_core.services.host_ledger`); the capacity gate counts what of it the
     pool does not show as used yet. ``hosts`` are the facts of each host of a
     multi-host plan, by the label its devices carry in ``extras["host"]``: a
     device is planned against its own host's memory, ``host`` when it has no

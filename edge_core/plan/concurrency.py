@@ -15,7 +15,7 @@ from .kv import estimate_kv, largest_fitting
 from .remedies import admission_with_kv
 
 if TYPE_CHECKING:
-    from .types import Plan
+    from ..plans import Plan
 
 #: Upper end of the search: past any server's useful concurrency on one device.
 MAX_SEQUENCES_SEARCHED = 4096

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .types import ExecutionMode, SessionSpec
+from ..plans import ExecutionMode, SessionSpec
 
 if TYPE_CHECKING:
-    from ..artifact import Manifest
     from ..devices import Device
-    from ..registry import Registry
+    from ..manifest import Manifest
+    from ..services.registry import Registry
 
 #: Why a session runs eagerly when its backend names no mode of its own.
 DEFAULT_REASON = "the backend names no execution mode of its own; eager needs no compiler and captures nothing"

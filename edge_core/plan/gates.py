@@ -25,14 +25,13 @@ from .terms import headroom_reservations
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from ..artifact import Manifest
     from ..budget import Peak, Reservation
     from ..devices import Device
     from ..host import HostFacts
-    from ..host_ledger import LedgerView
-    from ..registry import Registry
-    from .parallel import DeviceShare
-    from .types import DeviceVerdict, Refusal, SessionSpec
+    from ..manifest import Manifest
+    from ..plans import DeviceShare, DeviceVerdict, Refusal, SessionSpec
+    from ..services.host_ledger import LedgerView
+    from ..services.registry import Registry
 
 #: The verdict note of a device that passed every gate after another was selected.
 FALLBACK_NOTE = "a fallback: an earlier candidate was selected"

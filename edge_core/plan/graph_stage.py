@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any
 
 from ..budget import MIB, Reservation
 from ..errors import UsageError
-from ..host_ledger import HOST_POOL, LedgerView, read_ledger
-from ..registry import install_hint
+from ..plans import STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
 from ..routes import INTERPRETER_NAMES, resolved_of, statuses_of
+from ..services.host_ledger import HOST_POOL, LedgerView, read_ledger
+from ..services.registry import install_hint
 from .gates import Judgement, Owner, backend_budget, budget_gates, format_gate, walk
 from .ledger import holder_dicts
-from .types import STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
-    from ..artifact import Manifest
     from ..budget import Peak
     from ..devices import Device
     from ..host import HostFacts
-    from ..registry import Registry
+    from ..manifest import Manifest
+    from ..services.registry import Registry
 
 #: Share of nodes and of kernel time the target provider must have executed for
 #: a stage to count as placed on its device (overridable per stage). One half:
@@ -238,7 +238,7 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
     """Plan one exported-graph stage: the first graph-executing device that passes every gate.
 
     ``ledger`` is what the live edge sessions and stages on this host hold;
-    by default it is read here (:func:`~edge_core.host_ledger.read_ledger`),
+    by default it is read here (:func:`~edge_core.services.host_ledger.read_ledger`),
     and ``LedgerView()`` plans as if nothing else held memory.
     ``placement_threshold`` and ``numeric_tolerance`` override the defaults
     for this stage; both travel in ``plan.stage`` to the run.

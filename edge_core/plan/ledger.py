@@ -1,6 +1,6 @@
 """What is already admitted on this host, so the same bytes are never budgeted twice.
 
-One mechanism: :mod:`edge_core.host_ledger`, one record per live edge session
+One mechanism: :mod:`edge_core.services.host_ledger`, one record per live edge session
 on this host, whatever process, venv or interpreter holds it. A checkpoint
 session registers when the CLI admits it; a graph stage run in a process
 (:func:`edge_core.runtime.run_graph_stage`) registers its own record for the
@@ -18,13 +18,13 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..host_ledger import HOST_POOL
-from .types import Refusal
+from ..plans import Refusal
+from ..services.host_ledger import HOST_POOL
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..host_ledger import LedgerView, SessionRecord
-    from .types import Plan
+    from ..plans import Plan
+    from ..services.host_ledger import LedgerView, SessionRecord
 
 #: The ``command`` of a graph stage's own ledger record (``edge ps`` lists it beside the sessions).
 STAGE_COMMAND = "graph stage"

@@ -4,7 +4,7 @@
 ``run``, ``accept``, ``parity``): a checkpoint goes to
 :func:`~edge_core.plan.checkpoint.plan_checkpoint`, an exported graph to
 :func:`~edge_core.plan.graph_stage.plan_graph_stage`. :func:`load_devices` reads devices captured on another machine
-(:func:`edge_core.registry.discover` probes this one). Nothing here imports a runtime.
+(:func:`edge_core.services.registry.discover` probes this one). Nothing here imports a runtime.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from ..artifact.hub import resolve_model
 from ..devices import apply_mask, load_device_list
 from ..errors import ArtifactError, UsageError
 from ..host import HostFacts
-from ..registry import Registry
+from ..plans import GraphStagePlan, Plan, Refusal, SessionSpec
+from ..services.registry import Registry
 from .checkpoint import plan_checkpoint
 from .parallel import ParallelRequest, plan_parallel
-from .types import GraphStagePlan, Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..host_ledger import LedgerView
+    from ..services.host_ledger import LedgerView
 
 
 def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
@@ -38,7 +38,7 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], h
     ``model_path`` is a directory, an ONNX file, or a Hub id (``org/name``, at
     ``revision``), resolved by :func:`~edge_core.artifact.hub.resolve_model`;
     the plan's ``source`` says which it was. ``ledger`` is what the other live
-    edge sessions on this host hold (:func:`edge_core.host_ledger.read_ledger`).
+    edge sessions on this host hold (:func:`edge_core.services.host_ledger.read_ledger`).
     ``parallel`` pins a tensor/pipeline-parallel layout or a device group
     (:mod:`.parallel`; unpinned, one is tried only when no single device
     fits); ``hosts`` are the host facts of other machines' device lists, by

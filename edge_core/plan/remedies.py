@@ -15,16 +15,15 @@ from typing import TYPE_CHECKING
 
 from ..artifact.formats import UNKNOWN_FORMAT_PREFIX
 from ..budget import peak as combine
+from ..plans import Refusal
 from .kv import estimate_kv, largest_fitting
 from .terms import SAFETY_MARGIN_FRACTION
-from .types import Refusal
 
 if TYPE_CHECKING:
-    from ..artifact import Manifest
-    from ..budget import Peak, Reservation
+    from ..budget import KVEstimate, Peak, Reservation
     from ..devices import Device
-    from .kv import KVEstimate
-    from .types import SessionSpec
+    from ..manifest import Manifest
+    from ..plans import SessionSpec
 
 #: Which in-tree backend executes each format, for remedies that point to
 #: another virtual environment. (Only the installed backends are asked; this

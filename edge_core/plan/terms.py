@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any
 from ..budget import Reservation
 
 if TYPE_CHECKING:
-    from ..artifact import Manifest
+    from ..budget import KVEstimate
     from ..devices import Device
-    from .kv import KVEstimate
-    from .parallel import DeviceShare
-    from .types import SessionSpec
+    from ..manifest import Manifest
+    from ..plans import DeviceShare, SessionSpec
 
 #: Host RAM kept free for everything that is not this session (the OS, a
 #: desktop, other processes growing). Host capacity is already *available*

@@ -20,8 +20,8 @@ from .processes import alive, children_alive
 from .session import Observer, SilentObserver, StageSession, plan_summary, round_or_none
 
 if TYPE_CHECKING:
-    from ..plan import Plan
-    from ..registry import Registry
+    from ..plans import Plan
+    from ..services.registry import Registry
 
 #: The acceptance and parity prompts: fixed, so two runs (or two machines)
 #: compare the same work. Short, varied, plain ASCII; none is near a context limit.

@@ -3,7 +3,7 @@
 ``edge run``, ``serve``, ``accept`` and ``parity`` (and ``edge plan``, which
 stops before admission) plan through here: the devices (probed, or device
 lists saved elsewhere, :func:`find_devices`), then :func:`plan_model`, which
-counts what the other live edge sessions hold (:mod:`edge_core.host_ledger`)
+counts what the other live edge sessions hold (:mod:`edge_core.services.host_ledger`)
 and, for a command that starts an engine, downloads an admitted Hub model's
 weights (:func:`fetch_model`) and admits the plan under the ledger's lock
 (:func:`admit`). Nothing here parses arguments; what a person should read is
@@ -19,15 +19,15 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ArtifactError, UsageError
-from ..plan import Plan, Refusal, SessionSpec
+from ..plans import Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
-    from ..artifact.hub import ModelSource
     from ..devices import Device
     from ..host import HostFacts
-    from ..host_ledger import LedgerView
+    from ..manifest import ModelSource
     from ..plan.parallel import ParallelRequest
-    from ..registry import Registry
+    from ..services.host_ledger import LedgerView
+    from ..services.registry import Registry
 
 #: Where a line for a person goes (the CLI prints ``edge: <line>`` on stderr).
 Say = Callable[[str], None]
@@ -54,7 +54,7 @@ def find_devices(registry: Registry, mask: frozenset[str], device_files: tuple[s
     """This interpreter's devices, or the saved lists (one per host); only ``backend``'s when one is named."""
     from ..plan import only_backend
     from ..plan.planner import load_device_sets
-    from ..registry import discover
+    from ..services.registry import discover
 
     hosts: dict[str, Any] = {}
     if device_files:
@@ -131,8 +131,8 @@ def plan_model(request: PlanRequest, found: FoundDevices, registry: Registry, *,
 def admit(plan_once: PlanOnce, model: str, revision: str | None, *, command: str, requested_model: str | None,
           wait_s: float = 0.0, downloaded: ModelSource | None = None) -> Plan:
     """Plan under the host ledger's lock and register an admitted plan; wait up to ``wait_s`` for other sessions."""
-    from ..host_ledger import admission
     from ..plan.ledger import ledger_bytes
+    from ..services.host_ledger import admission
 
     deadline = time.monotonic() + float(wait_s or 0)
     while True:
@@ -165,7 +165,7 @@ def _record_label(plan: Plan, command: str) -> str:
 
 def ledger_view(say: Say = _silent) -> LedgerView | None:
     """The other live sessions on this host; None (with a warning) when the ledger cannot be trusted."""
-    from ..host_ledger import read_ledger
+    from ..services.host_ledger import read_ledger
 
     try:
         view = read_ledger()

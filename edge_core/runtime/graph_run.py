@@ -8,7 +8,7 @@ per-node profile: listing a provider proves nothing) and the numeric gate
 :func:`compare_outputs`). Either failing is a refusal in the record,
 ``execution_provider_declined_graph`` or ``numeric_gate_failed``, the latter
 constraining this artifact only. While it runs the stage holds its bytes in
-the host-wide ledger (:mod:`edge_core.host_ledger`), where ``edge ps``, the
+the host-wide ledger (:mod:`edge_core.services.host_ledger`), where ``edge ps``, the
 next stage planned in this process and every other edge process see them.
 """
 
@@ -22,22 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import host_ledger
 from ..errors import EdgeError, StageError, UsageError
 from ..plan.graph_stage import DEFAULT_NUMERIC_TOLERANCE, EXPORT_SCRIPT
 from ..plan.ledger import STAGE_COMMAND, check_committed, ledger_bytes
-from ..plan.types import Refusal
+from ..plans import Refusal
+from ..services import host_ledger
 from ..stream import StageRequest
 from . import ort_stage
 from .measure import read_pss_bytes
 from .stream_run import StreamRun
 
 if TYPE_CHECKING:
-    from ..artifact import Manifest
     from ..devices import Device
-    from ..host_ledger import Registration
-    from ..plan import GraphStagePlan
-    from ..registry import Registry
+    from ..manifest import Manifest
+    from ..plans import GraphStagePlan
+    from ..services.host_ledger import Registration
+    from ..services.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
     ``executor_providers`` replaces the providers the session runs with while
     the placement target stays the route's provider (a stand-in: the record
     says so). While it runs the stage is a record in the host-wide ledger at
-    ``ledger_dir`` (default :func:`~edge_core.host_ledger.ledger_dir`),
+    ``ledger_dir`` (default :func:`~edge_core.services.host_ledger.ledger_dir`),
     admitted by :func:`admit_stage` and removed after — or, when this process's
     session was admitted for this plan (``edge run`` registers before it starts
     the stage), that session's record. ``record["passed"]`` is True only when

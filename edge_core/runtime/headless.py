@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import NodeError, StageError
-from ..host_ledger import set_state
+from ..services.host_ledger import set_state
 from .env import apply_runtime_env, versions
 from .logs import EngineLog
 from .processes import OwnProcessGroup, children, children_alive, reap
@@ -29,8 +29,8 @@ from .session import Observer, SilentObserver, TerminationAsInterrupt, prepare_s
 from .vllm_stage import engine_failure_detail, pin_plan_devices
 
 if TYPE_CHECKING:
-    from ..plan import Plan
-    from ..registry import Registry
+    from ..plans import Plan
+    from ..services.registry import Registry
     from .nodes import Lifeline
 
 #: Seconds a headless node's workers get to leave once told to, before they are killed: their partner ranks

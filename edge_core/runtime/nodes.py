@@ -39,7 +39,7 @@ from .._version import __version__
 from ..errors import EXIT_REFUSED, NodeError, UsageError
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..plans import Plan
 
 #: Seconds the head waits for every other node to join, and a node for the head to answer.
 JOIN_TIMEOUT_S = 300.0

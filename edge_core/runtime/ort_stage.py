@@ -38,7 +38,7 @@ from ..stream import DeltaEvent, StageRequest, StateHandle
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..plan import Plan
+    from ..plans import Plan
 
 #: ONNX Runtime's CPU execution provider: present in every build, the reference
 #: executor of the numeric gate and the fallback every graph EP leaves work to.

@@ -32,8 +32,8 @@ from .reaper import SessionReaper
 from .session import Observer, SilentObserver, StageSession, prepare_stage
 
 if TYPE_CHECKING:
-    from ..plan import Plan
-    from ..registry import Registry
+    from ..plans import Plan
+    from ..services.registry import Registry
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -38,11 +38,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..documents import enveloped
 from ..errors import StageError, UsageError
-from ..host_ledger import set_state
 from ..page import PAGE_PATH, live_page
+from ..services.host_ledger import set_state
 from ..serving import ServerOptions
+from .documents import enveloped
 from .env import versions
 from .logs import EngineLog
 from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler
@@ -50,8 +50,8 @@ from .processes import children_alive
 from .session import Observer, SilentObserver, StageSession, plan_summary
 
 if TYPE_CHECKING:
-    from ..plan import Plan
-    from ..registry import Registry
+    from ..plans import Plan
+    from ..services.registry import Registry
 
 #: Addresses that reach only this machine; anything else without an API key gets a warning.
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import StageError
-from ..host_ledger import set_state
+from ..services.host_ledger import set_state
 from .env import versions
 from .logs import EngineLog
 from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler, compare
@@ -48,8 +48,8 @@ from .stream_run import StreamRun
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..plan import Plan
-    from ..registry import Registry
+    from ..plans import Plan
+    from ..services.registry import Registry
     from ..stream import CancelReport, DeltaEvent, StageRequest
     from .measure import MemoryReport
 

@@ -25,7 +25,7 @@ from .processes import death_of, oom_kills, reap
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..plan import Plan
+    from ..plans import Plan
 
 #: How long :func:`cancel` waits for the abort message to be handed to the
 #: engine core (a ZMQ send on the stage's loop, milliseconds). It never waits

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ..errors import StageError
-from ..host_ledger import current
+from ..services.host_ledger import current
 from ..serving import ServerOptions, ServerReport
 from . import reaper
 from .env import apply_runtime_env
@@ -42,7 +42,7 @@ from .vllm_stage import engine_failure_detail, pin_plan_devices
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..plan import Plan
+    from ..plans import Plan
 
 #: Exit code a forced stop (a second signal) ends the process with: 128 + SIGINT, as a shell reports it.
 FORCED_EXIT_CODE = 130

@@ -52,7 +52,7 @@ from .vllm_engine import (
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..plan import Plan
+    from ..plans import Plan
 
 __all__ = [
     "ABORT_WAIT_S", "SHUTDOWN_TIMEOUT_S", "MergingReader", "StopReport", "VllmStage", "cancel",

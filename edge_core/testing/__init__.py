@@ -10,7 +10,7 @@ class TestMyBackendConformance(BackendConformance):
 ```
 
 ``fake_hosts`` are hosts unlike this one (:mod:`.hosts`); ``write_fake_vllm_models`` writes a cut vLLM source tree for gates that read
-vLLM's model registry (:mod:`edge_core.vllm_source`).
+vLLM's model registry (:mod:`edge_core.kit.vllm_source`).
 
 Needs pytest (``pip install 'edge-core[test]'``); nothing here is imported by
 the ``edge`` command.

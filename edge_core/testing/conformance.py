@@ -7,7 +7,7 @@ module (Hydra's ``class TestJoblibLauncher(LauncherTestSuite)`` pattern)::
         plugin = edge_cpu
         plugin_name = "cpu"
 
-Every check goes through a fresh :class:`edge_core.registry.Registry`, so the
+Every check goes through a fresh :class:`edge_core.services.registry.Registry`, so the
 backend is exercised exactly as ``edge`` drives it: statuses, owner dispatch,
 the probe time limit. The checks come in three groups:
 
@@ -50,9 +50,10 @@ from ..budget import LIFETIMES, Reservation
 from ..devices import EVIDENCE, POOLS, Device
 from ..hookspecs import API_VERSION, BROADCAST_HOOKS, OWNER_HOOKS
 from ..host import HostFacts, read_host
-from ..plan import STAGE_ONLY_KINDS, SessionSpec, candidate_order, make_plan, resolve_session
-from ..registry import ENTRY_POINT_GROUP, HEALTHY, LOADED, Registry
+from ..plan import candidate_order, make_plan, resolve_session
+from ..plans import STAGE_ONLY_KINDS, SessionSpec
 from ..runtime.stream_run import StreamRun
+from ..services.registry import ENTRY_POINT_GROUP, HEALTHY, LOADED, Registry
 from ..stream import DeltaEvent, StageRequest, StateHandle
 from .hosts import FOREIGN_PLUGIN, POOL_OF_KIND, fake_hosts, foreign_devices
 from .stage_env import StageEnv, live_children, non_daemon_threads
@@ -222,7 +223,7 @@ class BackendConformance:
             "module = importlib.import_module(sys.argv[1])\n"
             "at_import = sorted(m for m in heavy if m in sys.modules)\n"
             "from edge_core.host import read_host\n"
-            "from edge_core.registry import Registry\n"
+            "from edge_core.services.registry import Registry\n"
             "registry = Registry(entry_points=[], environ={})\n"
             "registry.register(module, sys.argv[2])\n"
             "registry.probe(read_host())\n"

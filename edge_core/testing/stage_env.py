@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..devices import Device
     from ..host import HostFacts
-    from ..registry import Registry
+    from ..services.registry import Registry
 
 #: The multiprocessing helpers Python itself keeps for the life of the parent
 #: (the resource tracker, the forkserver); they are not the stage's processes.

@@ -1,7 +1,7 @@
-"""A vLLM package tree of the 0.32 shape, cut to the lines :mod:`edge_core.vllm_source` reads.
+"""A vLLM package tree of the 0.32 shape, cut to the lines :mod:`edge_core.kit.vllm_source` reads.
 
 For testing a gate that reads the installed vLLM's model registry and model
-classes (:func:`edge_core.vllm_hooks.pipeline_refusals`) without vLLM
+classes (:func:`edge_core.kit.vllm_hooks.pipeline_refusals`) without vLLM
 installed: write the tree, then point the gate at it.
 """
 

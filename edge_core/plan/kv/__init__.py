@@ -6,7 +6,8 @@ ways, :mod:`.vllm_allocator` is the rule vLLM's own allocator follows, and
 :mod:`.search` inverts a rule: the longest context whose charge fits.
 """
 
-from .charge import DTYPE_BYTES, RULES, KVEstimate, estimate_kv
+from ...budget import RULES, KVEstimate
+from .charge import DTYPE_BYTES, estimate_kv
 from .layout import LAYER_KINDS, KVLayout, LayerKV, kv_layout, rank_layout
 from .search import DEFAULT_CEILING_TOKENS, largest_fitting, max_model_len_for
 from .vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE, hybrid_block_size

@@ -6,8 +6,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...artifact.fields import CONTEXT_FIELDS, opt_int
+from ...budget import check_rule
 from ...errors import UsageError
-from .charge import charge_bytes, check_rule, positive, resolve_charge_settings
+from .charge import charge_bytes, positive, resolve_charge_settings
 from .layout import kv_layout, rank_layout
 from .vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE
 

@@ -12,6 +12,7 @@ Expected per-rank figures in the tests come from the architecture formulas,
 never from this package.
 """
 
+from ...plans import EXECUTOR_MP, EXECUTOR_RAY, EXECUTORS, DeviceShare, Layout
 from .gates import (
     MAX_LISTED_TP,
     VOCAB_PADDING_SIZE,
@@ -34,7 +35,7 @@ from .launch import (
     visible_devices,
     vllm_flags,
 )
-from .layout import EXECUTOR_MP, EXECUTOR_RAY, EXECUTORS, MASTER_PORT, DeviceShare, Layout, ParallelRequest, RankBudget
+from .layout import MASTER_PORT, ParallelRequest, RankBudget
 from .outcome import FOUR_BIT_FRACTION
 from .search import plan_parallel
 from .weights import rank_weight_bytes, tensor_role

@@ -6,21 +6,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ...plans import DeviceShare, Layout, Refusal
 from ..checkpoint import DeviceOutcome, plan_on_device
 from ..ledger import pool_key
-from ..types import Refusal
 from .gates import layout_refusals, model_config, num_layers, pp_partition
 from .groups import group_key, host_of, rank_capacity
-from .layout import DeviceShare, Layout, RankBudget
+from .layout import RankBudget
 from .weights import rank_weight_bytes
 
 if TYPE_CHECKING:
-    from ...artifact import Manifest
     from ...devices import Device
     from ...host import HostFacts
-    from ...host_ledger import LedgerView
-    from ...registry import Registry
-    from ..types import SessionSpec
+    from ...manifest import Manifest
+    from ...plans import SessionSpec
+    from ...services.host_ledger import LedgerView
+    from ...services.registry import Registry
 
 
 @dataclass

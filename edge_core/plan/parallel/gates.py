@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..types import Refusal
-from .layout import Layout
+from ...plans import Layout, Refusal
 
 if TYPE_CHECKING:
-    from ...artifact import Manifest
+    from ...manifest import Manifest
 
 #: vLLM pads the vocabulary to a multiple of this before splitting it across
 #: ranks (``DEFAULT_VOCAB_PADDING_SIZE``, model_executor/layers/vocab_parallel_embedding.py).

@@ -6,8 +6,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..types import STAGE_ONLY_KINDS, Refusal
-from .layout import EXECUTOR_MP, Layout
+from ...plans import EXECUTOR_MP, STAGE_ONLY_KINDS, Layout, Refusal
 
 if TYPE_CHECKING:
     from ...devices import Device

@@ -11,13 +11,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...host import format_cpulist
+from ...plans import EXECUTOR_MP, EXECUTOR_RAY, Layout
 from .groups import host_of
-from .layout import EXECUTOR_MP, EXECUTOR_RAY, MASTER_PORT, Layout, ParallelRequest
+from .layout import MASTER_PORT, ParallelRequest
 
 if TYPE_CHECKING:
     from ...devices import Device
     from ...host import HostFacts
-    from ..types import Plan, SessionSpec
+    from ...plans import Plan, SessionSpec
 
 #: Ray's default GCS port, the one ``ray start --head`` listens on.
 RAY_HEAD_PORT = 6379

@@ -6,20 +6,20 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ...plans import EXECUTOR_MP, Refusal
 from ..checkpoint import engine_kwargs_for
 from ..execution import with_mode
-from ..types import Refusal
 from .groups import host_of, mixed_group_refusal
 from .launch import CPU_VLLM_SCRIPT_NOTE, device_files, launch_env, node_commands, node_edge_commands, node_env
-from .layout import EXECUTOR_MP, MASTER_PORT, ParallelRequest
+from .layout import MASTER_PORT, ParallelRequest
 from .weights import tensor_roles
 
 if TYPE_CHECKING:
-    from ...artifact import Manifest
+    from ...budget import KVEstimate
     from ...devices import Device
     from ...host import HostFacts
-    from ..kv import KVEstimate
-    from ..types import DeviceVerdict, Plan, SessionSpec
+    from ...manifest import Manifest
+    from ...plans import DeviceVerdict, Plan, SessionSpec
     from .attempt import Attempt
 
 

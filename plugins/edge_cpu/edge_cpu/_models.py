@@ -13,7 +13,7 @@ never an import:
   "torchvision beside the +cpu torch");
 * a pipeline-parallel layout of a model whose vLLM class does not implement
   ``SupportsPP`` fails at engine start with
-  :data:`edge_core.vllm_source.PP_UNSUPPORTED_ERROR`
+  :data:`edge_core.kit.vllm_source.PP_UNSUPPORTED_ERROR`
   (``ModelConfig.verify_with_parallel_config``).
 """
 
@@ -28,15 +28,15 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge_core import vllm_hooks
 from edge_core.devices import Device
-from edge_core.plan import Refusal
-from edge_core.vllm_hooks import architectures
+from edge_core.kit import vllm_hooks
+from edge_core.kit.vllm_hooks import architectures
+from edge_core.plans import Refusal
 
 from ._vllm_support import MODEL_REGISTRY, VllmSource
 
 if TYPE_CHECKING:
-    from edge_core.plan.parallel import DeviceShare
+    from edge_core.plans import DeviceShare
 
 log = logging.getLogger(__name__)
 
@@ -210,5 +210,5 @@ def multimodal_refusals(src: VllmSource, device: Device, manifest: Any,
 
 def pipeline_refusals(src: VllmSource, device: Device, manifest: Any, share: DeviceShare | None) -> list[Refusal]:
     """A pipeline-parallel layout of a model whose vLLM class lacks ``SupportsPP`` (may be empty):
-    the gate both vLLM backends share (:func:`edge_core.vllm_hooks.pipeline_refusals`), on this source."""
+    the gate both vLLM backends share (:func:`edge_core.kit.vllm_hooks.pipeline_refusals`), on this source."""
     return vllm_hooks.pipeline_refusals(device, manifest, share, root=src.root, models=src.models, label=src.label)

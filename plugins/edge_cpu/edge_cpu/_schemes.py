@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core.devices import Device
-from edge_core.plan import Refusal
+from edge_core.plans import Refusal
 
 from ._vllm_support import (
     AWQ_CONFIG,

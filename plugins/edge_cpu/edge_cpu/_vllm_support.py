@@ -9,7 +9,7 @@ whether it computes logits from its input embedding (how many packed tables
 the memory budget counts) when a plan is budgeted (:func:`logits_from_embedding`).
 
 The parts every vLLM backend shares (finding the package, the ``ast``
-helpers, the model registry, ``SupportsPP``) are :mod:`edge_core.vllm_source`;
+helpers, the model registry, ``SupportsPP``) are :mod:`edge_core.kit.vllm_source`;
 this package adds the CPU platform's tables and the cache.
 
 Each piece that cannot be read (a file moved, a symbol reshaped) is reported
@@ -36,7 +36,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from edge_core.vllm_source import (
+from edge_core.kit.vllm_source import (
     MODEL_REGISTRY,
     PPSupport,
     SourceTree,
@@ -48,7 +48,7 @@ from edge_core.vllm_source import (
     model_module,
     write_json,
 )
-from edge_core.vllm_source import pp_support as _pp_support
+from edge_core.kit.vllm_source import pp_support as _pp_support
 
 from ._vllm_tables import (
     AWQ_CONFIG,
@@ -102,8 +102,8 @@ def installed_source(cache_dir: Path | None = None) -> VllmSource:
 
 
 def _reader_digest() -> str:
-    """This reader's own source, its table readers and the shared one they call (:mod:`edge_core.vllm_source`)."""
-    from edge_core import vllm_source
+    """This reader's own source, its table readers and the shared one they call (:mod:`edge_core.kit.vllm_source`)."""
+    from edge_core.kit import vllm_source
 
     from . import _vllm_tables
 
@@ -178,7 +178,7 @@ def read_source(root: Path | str, *, distribution: str | None = None, version: s
 
 def pp_support(src: VllmSource, architecture: str) -> PPSupport:
     """Whether vLLM's class for ``architecture`` implements ``SupportsPP``
-    (:func:`edge_core.vllm_source.pp_support` on this source's registry); never raises.
+    (:func:`edge_core.kit.vllm_source.pp_support` on this source's registry); never raises.
 
     The class's module is read only when asked, outside the JSON cache: only a
     plan with ``pp > 1`` pays for the parse.

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_core.vllm_source import (
+from edge_core.kit.vllm_source import (
     MODEL_REGISTRY,
     MULTIMODAL_TABLE,
     SourceTree,

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from edge_core.vllm_source import SourceTree, class_def, installed_vllm
+from edge_core.kit.vllm_source import SourceTree, class_def, installed_vllm
 from edge_cpu import _heap
 
 

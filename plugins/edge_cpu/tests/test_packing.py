@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from edge_core.vllm_source import SourceTree, installed_vllm
+from edge_core.kit.vllm_source import SourceTree, installed_vllm
 from edge_cpu import _imports, _packing
 
 

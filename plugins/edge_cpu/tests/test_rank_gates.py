@@ -16,8 +16,8 @@ import pytest
 from edge_core.artifact import DEMO_MODEL
 from edge_core.cli import main
 from edge_core.host import HostFacts, NumaNode
-from edge_core.plan.parallel import DeviceShare, Layout
-from edge_core.vllm_source import SourceTree, class_def, installed_vllm
+from edge_core.kit.vllm_source import SourceTree, class_def, installed_vllm
+from edge_core.plans import DeviceShare, Layout
 from edge_cpu import _gates, _pp
 
 GIB = 1 << 30

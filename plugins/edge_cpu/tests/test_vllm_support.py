@@ -24,8 +24,9 @@ import pytest
 import edge_cpu
 from edge_core import builds
 from edge_core.host import HostFacts
-from edge_core.plan import SessionSpec, make_plan
-from edge_core.registry import Registry
+from edge_core.plan import make_plan
+from edge_core.plans import SessionSpec
+from edge_core.services.registry import Registry
 from edge_core.testing import write_fake_vllm_models
 from edge_cpu import _gates, _models, _probe, _schemes, _vllm_support
 from edge_cpu._vllm_support import MODEL_REGISTRY, QUANT_REGISTRY, read_source
@@ -400,7 +401,7 @@ def fake_models(tmp_path):
 
 
 def _pp_share(pp=2, tp=1):
-    from edge_core.plan.parallel import DeviceShare, Layout
+    from edge_core.plans import DeviceShare, Layout
 
     return DeviceShare(layout=Layout(tp=tp, pp=pp), ranks=tuple(range(tp * pp)), weight_bytes=GIB,
                        rank_weight_bytes=GIB // (tp * pp), layers=None, pp_rank=None)

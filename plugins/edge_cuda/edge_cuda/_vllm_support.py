@@ -9,7 +9,7 @@ only in the CUDA build's compiled extension: its ``dispatch_scaled_mm`` raises
 "Int8 not supported on SM<n>. Use FP8 quantization instead, or run on older
 arch (SM < 100)." and that sentence is read out of the ``.so``.
 
-The parsing is :mod:`edge_core.vllm_source`'s (its ``ast`` helpers and disk
+The parsing is :mod:`edge_core.kit.vllm_source`'s (its ``ast`` helpers and disk
 cache): one JSON file per installed vLLM under ``~/.cache/edge``, invalidated
 when a file it was read from changes. A piece that cannot be read is in
 ``unread`` with the file and symbol, and the gate falls back to the hand-kept
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_core.vllm_source import (
+from edge_core.kit.vllm_source import (
     SourceTree,
     Unreadable,
     assigned,
@@ -143,7 +143,7 @@ def installed_support(cache_dir: Path | None = None) -> CudaSupport:
 
 
 def _reader_digest() -> str:
-    from edge_core import vllm_source
+    from edge_core.kit import vllm_source
 
     digest = hashlib.sha256()
     try:

@@ -20,7 +20,8 @@ import pytest
 import edge_cuda
 from edge_core.artifact import DEMO_MODEL, read_manifest
 from edge_core.devices import Device
-from edge_core.plan import SessionSpec, resolve_session
+from edge_core.plan import resolve_session
+from edge_core.plans import SessionSpec
 from edge_cuda import _graphs
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -361,7 +361,8 @@ def test_entry_point_is_registered_when_installed():
 
 def test_hook_reserve_memory_holds_the_context_always_and_the_graph_pool_only_when_not_eager(metadata):
     from edge_core.artifact import DEMO_MODEL, read_manifest
-    from edge_core.plan import SessionSpec, resolve_session
+    from edge_core.plan import resolve_session
+    from edge_core.plans import SessionSpec
 
     (device,), _ = probe([H100])
     manifest = read_manifest(str(DEMO_MODEL))
@@ -406,7 +407,7 @@ def test_memory_counter_without_a_driver_is_none_not_a_crash():
 
 def test_a_parallel_rank_reserves_collective_buffers():
     from edge_core import SessionSpec
-    from edge_core.plan.parallel import DeviceShare, Layout
+    from edge_core.plans import DeviceShare, Layout
     from edge_cuda import _memory
 
     alone = _memory.reservations(SessionSpec())

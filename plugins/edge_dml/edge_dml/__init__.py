@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import hookimpl
-from edge_core.ort_hooks import stage_hooks
+from edge_core.kit.ort_hooks import stage_hooks
 
 from . import _probe
 from ._routes import DML_PROVIDER, ROUTES, ROUTES_BY_BACKEND

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from edge_core import hookimpl
-from edge_core.ort_hooks import stage_hooks
+from edge_core.kit.ort_hooks import stage_hooks
 
 from . import _probe
 from ._probe import BACKEND, DEVICE_ID, FORMATS, PROVIDER, ROUTES

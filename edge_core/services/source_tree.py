@@ -3,7 +3,7 @@
 ``import vllm`` or ``import transformers`` costs seconds and pulls torch; what
 ``edge devices`` and ``edge plan`` need from either package is read from its
 files instead. :class:`SourceTree` is the one reader both use
-(:mod:`edge_core.vllm_source` for vLLM's registry and tables,
+(:mod:`edge_core.kit.vllm_source` for vLLM's registry and tables,
 :mod:`edge_core.artifact.transformers_source` for transformers' configuration
 classes): each file parsed once, with the stat of each so a caller keying a
 cache on them knows when to re-read.

@@ -24,10 +24,10 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
-from ._version import __version__
-from .devices import Device, apply_mask
-from .host import HostFacts, read_host
+from .. import hookspecs
+from .._version import __version__
+from ..devices import Device, apply_mask
+from ..host import HostFacts, read_host
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +383,7 @@ class Registry:
         Exceptions from the plugin propagate wrapped in :class:`PluginError`
         naming the plugin and hook.
         """
-        from .errors import PluginError
+        from ..errors import PluginError
 
         if hook not in hookspecs.OWNER_HOOKS:
             raise ValueError(f"{hook!r} is not an owner-dispatched hook")

@@ -4,7 +4,7 @@ edge-dml and edge-vitisai differ only in which route and execution provider a
 stage of theirs carries, so each builds its three hooks with
 :func:`stage_hooks`. A hook answers None for a stage it does not own. The
 runtime (:mod:`edge_core.runtime.ort_stage`) is imported only when a hook runs.
-Part of the backend kit, on top of the layers like :mod:`edge_core.vllm_hooks`.
+Part of the backend kit, on top of the layers like :mod:`edge_core.kit.vllm_hooks`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .hookspecs import hookimpl
+from ..hookspecs import hookimpl
 
 __all__ = ["stage_hooks"]
 
@@ -27,7 +27,7 @@ def stage_hooks(backend: str, target_provider: str) -> tuple[Callable[..., Any],
     def stream(stage: Any, request: Any) -> Any:
         if not ours(stage):
             return None
-        from .runtime import ort_stage
+        from ..runtime import ort_stage
 
         return ort_stage.stream(stage, request)
 
@@ -35,7 +35,7 @@ def stage_hooks(backend: str, target_provider: str) -> tuple[Callable[..., Any],
     def cancel(stage: Any, request_id: str) -> bool | None:
         if not ours(stage):
             return None
-        from .runtime import ort_stage
+        from ..runtime import ort_stage
 
         return ort_stage.cancel(stage, request_id)
 
@@ -43,7 +43,7 @@ def stage_hooks(backend: str, target_provider: str) -> tuple[Callable[..., Any],
     def stop_stage(stage: Any) -> bool | None:
         if not ours(stage):
             return None
-        from .runtime import ort_stage
+        from ..runtime import ort_stage
 
         return ort_stage.stop(stage)
 

@@ -7,7 +7,7 @@ vLLM backend shares (edge-cpu and edge-cuda drive builds of the same source):
 
 - :func:`installed_vllm`: which distribution, which version, which directory
   (``importlib`` finds the package without executing it);
-- :class:`SourceTree` (:mod:`edge_core.source_tree`, the one ``ast`` package
+- :class:`SourceTree` (:mod:`edge_core.services.source_tree`, the one ``ast`` package
   reader, shared with the artifact layer's reading of transformers): the
   package's files, each parsed on first use, with the stat of each;
 - :func:`read_model_registry`: the architectures ``model_executor/models/registry.py``
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from .source_tree import SourceTree, Unreadable
+from ..services.source_tree import SourceTree, Unreadable
 
 #: The model registry, relative to the ``vllm`` package directory.
 MODEL_REGISTRY = "model_executor/models/registry.py"

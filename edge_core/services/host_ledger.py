@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
 
 SCHEMA = "edge.ledger_record"
 SCHEMA_VERSION = 1

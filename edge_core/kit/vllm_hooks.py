@@ -1,7 +1,7 @@
 """The stage hooks of every backend that runs on vLLM (edge-cpu, edge-cuda), written once.
 
 A backend re-exports these functions from its module
-(``from edge_core.vllm_hooks import cancel, reference_token_ids, start_server, start_stage, stop_stage, stream``)
+(``from edge_core.kit.vllm_hooks import cancel, reference_token_ids, start_server, start_stage, stop_stage, stream``)
 and pluggy registers them as its own hookimpls. Dispatch already goes to the
 owning backend only, so the functions need no ownership check. The runtime
 (:mod:`edge_core.runtime.vllm_stage`, which imports vLLM) loads only when a
@@ -10,7 +10,7 @@ hook runs.
 It also holds the one gate both vLLM backends apply the same way,
 :func:`pipeline_refusals`: vLLM's model classes, and which of them implement
 ``SupportsPP``, are the same source on every platform
-(:mod:`edge_core.vllm_source` reads them).
+(:mod:`edge_core.kit.vllm_source` reads them).
 
 Part of the backend kit: like :mod:`edge_core.testing`, this module sits on
 top of the layers (it calls into the runtime) and nothing in the core imports it.
@@ -22,18 +22,17 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .hookspecs import hookimpl
+from ..hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .devices import Device
-    from .plan import Plan, Refusal
-    from .plan.parallel import DeviceShare
-    from .runtime.vllm_server import VllmServer
-    from .runtime.vllm_stage import VllmStage
-    from .serving import ServerOptions
-    from .stream import DeltaEvent, StageRequest
+    from ..devices import Device
+    from ..plans import DeviceShare, Plan, Refusal
+    from ..runtime.vllm_server import VllmServer
+    from ..runtime.vllm_stage import VllmStage
+    from ..serving import ServerOptions
+    from ..stream import DeltaEvent, StageRequest
 
 __all__ = ["architectures", "cancel", "pipeline_refusals", "reference_token_ids", "start_server", "start_stage",
            "stop_stage", "stream"]
@@ -43,28 +42,28 @@ log = logging.getLogger(__name__)
 
 @hookimpl
 def start_stage(device: Device, plan: Plan) -> VllmStage:
-    from .runtime import vllm_stage
+    from ..runtime import vllm_stage
 
     return vllm_stage.start(device, plan)
 
 
 @hookimpl
 def stream(stage: VllmStage, request: StageRequest) -> Iterator[DeltaEvent]:
-    from .runtime import vllm_stage
+    from ..runtime import vllm_stage
 
     return vllm_stage.stream(stage, request)
 
 
 @hookimpl
 def cancel(stage: VllmStage, request_id: str) -> bool:
-    from .runtime import vllm_stage
+    from ..runtime import vllm_stage
 
     return vllm_stage.cancel(stage, request_id)
 
 
 @hookimpl
 def stop_stage(stage: VllmStage) -> bool:
-    from .runtime import vllm_stage
+    from ..runtime import vllm_stage
 
     return vllm_stage.stop(stage)
 
@@ -72,14 +71,14 @@ def stop_stage(stage: VllmStage) -> bool:
 @hookimpl
 def reference_token_ids(device: Device, plan: Plan, prompts: list[str], max_tokens: int
                         ) -> tuple[list[list[int]], dict[str, Any]]:
-    from .runtime import vllm_stage
+    from ..runtime import vllm_stage
 
     return vllm_stage.plain_token_ids(device, plan, prompts, max_tokens)
 
 
 @hookimpl
 def start_server(device: Device, plan: Plan, options: ServerOptions) -> VllmServer:
-    from .runtime import vllm_server
+    from ..runtime import vllm_server
 
     return vllm_server.start(device, plan, options)
 
@@ -99,7 +98,7 @@ def pipeline_refusals(device: Device, manifest: Any, share: DeviceShare | None, 
     """A pipeline-parallel layout of a model whose vLLM class lacks ``SupportsPP`` (may be empty).
 
     ``root`` and ``models`` are the vLLM package the plan is checked against
-    and its registry (:func:`edge_core.vllm_source.registered_models`);
+    and its registry (:func:`edge_core.kit.vllm_source.registered_models`);
     ``label`` names that build in the message. Asked only when
     ``share.layout.pp > 1``: the class's module is read then. A class that
     could not be read, or an architecture only vLLM's Transformers fallback
@@ -107,7 +106,7 @@ def pipeline_refusals(device: Device, manifest: Any, share: DeviceShare | None, 
     """
     if share is None or share.layout.pp <= 1:
         return []
-    from .plan import Refusal
+    from ..plans import Refusal
     from .vllm_source import PP_INTERFACE, PP_UNSUPPORTED_ERROR, pp_support
 
     arch = next((a for a in architectures(manifest) if models and a in models), None)
