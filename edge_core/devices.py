@@ -25,9 +25,14 @@ KINDS = ("cpu", "gpu_discrete", "gpu_integrated", "npu")
 #: Memory pools: ``vram`` is private to the device; ``host_ram`` is shared with the CPU.
 POOLS = ("vram", "host_ram")
 
-#: Evidence classes: ``D`` detected (read from an artifact or the OS), ``B``
-#: backend executed (the backend ran something here), ``E`` estimated.
-EVIDENCE = ("D", "B", "E")
+#: How a claim or a byte count is known, written as one letter in JSON (docs/json.md).
+DETECTED = "D"  # read from an artifact or the OS: a file header, sysfs, NVML, installed metadata
+EXECUTED = "B"  # the backend ran something on the device and saw it (``edge devices --verify``, a run)
+ESTIMATED = "E"  # a formula or a constant, with its evidence in docs/
+#: Evidence classes, strongest first after detection: D detected, B backend executed, E estimated.
+EVIDENCE = (DETECTED, EXECUTED, ESTIMATED)
+#: The letters explained, for people (``edge devices`` text, the page's evidence column).
+EVIDENCE_LEGEND = "D read from the OS or an artifact, B the backend ran something here, E an estimate"
 
 #: Environment variable holding a comma-separated list of kinds to mask.
 MASK_ENV = "EDGE_MASK"

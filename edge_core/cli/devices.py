@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..devices import EVIDENCE_LEGEND
 from ..errors import EdgeError
 from ..services.registry import Registry, discover, install_hint
 from ._common import common_options, gib, mask_from, mask_option, registry_from, strict_exit, write_document
@@ -60,10 +61,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     else:
         print_plugins(registry)
     return strict_exit(args, registry)
-
-
-#: What the marks after each device row mean (:data:`edge_core.devices.EVIDENCE`).
-EVIDENCE_LEGEND = "D read from the OS or an artifact, B the backend ran something here, E an estimate"
 
 
 def cmd_devices(args: argparse.Namespace) -> int:

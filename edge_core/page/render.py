@@ -16,6 +16,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from ..devices import EVIDENCE_LEGEND
+
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -231,8 +233,8 @@ def terms_table(terms: Sequence[Mapping[str, Any]], capacity: int) -> str:
                     f"<td class=n>{mib(term.get('bytes'))}</td><td class=n>{pct(int(term.get('bytes') or 0), capacity):.2f}%"
                     f"</td><td>{esc(kind)}</td><td>{esc(term.get('evidence'))}</td></tr>")
     return ('<div class="scroll"><table class="terms"><thead><tr><th>#</th><th>term</th><th class=n>size</th>'
-            '<th class=n>of capacity</th><th>held</th><th title="D read from the artifact or OS, B the backend ran '
-            'it here, E estimated">evidence</th></tr></thead>'
+            '<th class=n>of capacity</th><th>held</th>'
+            f'<th title="{esc(EVIDENCE_LEGEND)}">evidence</th></tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table></div>')
 
 
