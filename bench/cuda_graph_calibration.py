@@ -88,7 +88,14 @@ POINTS = [
           "Graph capturing finished in 7 secs, took 0.71 GiB / CUDA graph pool memory: 0.71 GiB (actual)",
           "google/gemma-4-E4B-it, defaults", "RTX 3090 Ti", "0.22.1", 42, 2560, grid(512), grid(256), 0.71,
           "measured", "check", "over, the safe side; held out of the fit; log: PIECEWISE=51 (largest=512), "
-          "FULL=35 (largest=256); bf16, nothing in the log sets it apart"),
+          "FULL=35 (largest=256); bf16; the same geometry took 0.78 GiB on an L4 with 0.28.0 (next row, 1.20)"),
+    Point("gemma-4-e4b-qat-l4", "https://github.com/floSa/data-analyst-agent/blob/"
+          "409304f722ead1f6523bcf21775e0b0c3aa0b776/docs/MOTEUR.md",
+          "Actual usage is 10.29 GiB for consumed memory (weights + non-torch), 0.27 GiB for peak activation, "
+          "and 0.78 GiB for CUDAGraph memory / Capture des CUDAGraph | 12 s, 0,78 Gio",
+          "google/gemma-4-E4B-it-qat-w4a16-ct (compressed-tensors w4a16), --max-model-len 32768",
+          "L4 (23,034 MiB)", "0.28.0", 42, 2560, grid(512), grid(256), 0.78, "measured", "check",
+          "held out of the fit; the same doc's OOM run at 0.75 shows the capture set: PIECEWISE 51/51, FULL 20/35"),
     # ---- measured, vLLM V0 (FULL decode graphs of the whole model) ----
     Point("llama32-1b-v0", "https://github.com/vllm-project/vllm/pull/11349",
           "Graph capturing finished in 14 secs, took 0.21 GiB", "meta-llama/Llama-3.2-1B-Instruct", "not stated",
@@ -102,13 +109,16 @@ POINTS = [
     Point("qwen2-vl-7b-int8-v0", "https://github.com/vllm-project/vllm/issues/14184",
           "Graph capturing finished in 20 secs, took 2.06 GiB", "Qwen2-VL-7B INT8 ('/models/Qwen2-VL-7B-INT8')",
           "not stated", "0.7.x (V0 runner)", 28, 3584, (), grid(256), 2.06, "measured", "fit",
-          "under: an INT8 checkpoint (the thread's V1 log names it); nothing in the formula explains it"),
+          "under; an INT8 checkpoint (the thread's V1 log names it); most likely the AllSpark W8A16 workspace "
+          "(see the Llama-3.1-8B INT8 row), not confirmed"),
     Point("llama31-8b-int8-v0", "https://github.com/vllm-project/vllm/issues/14286",
           "Graph capturing finished in 9 secs, took 0.98 GiB",
           "Llama3.1-8B-INT8 (compressed-tensors int8 weight-only, channel)", "not stated",
           "0.7.x (V0 runner)", 32, 4096, (), grid(256), 0.98, "measured", "check",
-          "under; held out; the same reporter's other INT8 checkpoint (its config.json is in the thread), "
-          "35 decode graphs ('35/35')"),
+          "under; held out; 35 decode graphs ('35/35'); the reporter's V1 log of this checkpoint (vllm#12529) "
+          "names AllSparkLinearKernel, whose one process-wide workspace (as_g_workspace in "
+          "csrc/quantization/gptq_allspark/allspark_qgemm_w8a16.cu) is re-allocated larger inside the capture "
+          "and kept: most likely, not confirmed"),
     # ---- other measures: listed, never counted ----
     Point("qwen3-8b-est", "https://github.com/LMCache/LMCache/issues/3430", "Estimated CUDA graph memory: 0.52 GiB total",
           "Qwen/Qwen3-8B", "24 GB GPU", ">= 0.21", 36, 4096, grid(512), grid(256), 0.52, "estimate", "other",
