@@ -4,10 +4,10 @@ Six hooks are fixed by the product (``probe_devices``, ``weight_formats``,
 ``reserve_memory``, ``start_stage``, ``stream``, ``cancel``); more earn their
 place: ``format_remedy``, ``gate_plan``, ``stop_stage``, ``verify_device``, and
 optional ones a backend implements only when it has something to say
-(``execution_mode``, ``prepare_stage``, ``memory_counter``,
+(``execution_mode``, ``engine_rules``, ``prepare_stage``, ``memory_counter``,
 ``reference_token_ids``, ``start_server``) — a backend without them gets the
-safe default (eager, nothing to prepare, no device counter, no parity run,
-``edge serve`` refused with ``serve_unsupported``).
+safe default (eager, vLLM's KV and launch rules, nothing to prepare, no device
+counter, no parity run, ``edge serve`` refused with ``serve_unsupported``).
 
 Dispatch comes in two shapes:
 
@@ -33,6 +33,7 @@ import pluggy
 if TYPE_CHECKING:  # imported for annotations only: the core stays cheap to import
     from .budget import Reservation
     from .devices import Device, DeviceCounter
+    from .engine import EngineRules
     from .host import HostFacts
     from .manifest import Manifest
     from .plans import DeviceShare, ExecutionMode, Plan, Refusal, SessionSpec
@@ -125,6 +126,20 @@ def execution_mode(device: Device, manifest: Manifest, session: SessionSpec) -> 
     torch.compile with CUDA graphs at its default capture sizes). The
     answer sets ``session.enforce_eager`` for ``reserve_memory`` and
     ``gate_plan``. Optional; owning backend only (no answer: eager).
+    """
+
+
+@hookspec(firstresult=True)
+def engine_rules(device: Device) -> EngineRules | None:
+    """Return the rules of the engine that runs checkpoints on ``device``, as the planner asks them.
+
+    An :class:`~edge_core.engine.EngineRules`: the bytes its KV allocator
+    reserves for a layout and session (the ``vllm`` figure of the plan's
+    ``kv``, and the block it uses), and the environment and per-host commands
+    that start an admitted parallel layout. Pure arithmetic, no engine
+    import. Optional; owning backend only (no answer: vLLM's rules,
+    :data:`edge_core.engines.vllm.VLLM_RULES`). The graph-stage planner does
+    not ask it.
     """
 
 
@@ -249,7 +264,7 @@ def start_server(device: Device, plan: Plan, options: ServerOptions) -> ServerHa
 #: Hooks answered by every plugin; all others go to the owning backend alone.
 BROADCAST_HOOKS = ("probe_devices",)
 OWNER_HOOKS = (
-    "weight_formats", "format_remedy", "gate_plan", "execution_mode", "reserve_memory", "start_stage", "stream",
-    "cancel", "stop_stage", "verify_device", "prepare_stage", "memory_counter", "reference_token_ids",
-    "start_server",
+    "weight_formats", "format_remedy", "gate_plan", "execution_mode", "engine_rules", "reserve_memory",
+    "start_stage", "stream", "cancel", "stop_stage", "verify_device", "prepare_stage", "memory_counter",
+    "reference_token_ids", "start_server",
 )

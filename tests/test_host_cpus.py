@@ -6,8 +6,9 @@ from __future__ import annotations
 from fakes import GIB, write_host_tree
 
 from edge_core.devices import Device
+from edge_core.engines.vllm_launch import cpu_bind_list
 from edge_core.host import HostFacts, read_host
-from edge_core.plan.parallel import cpu_bind_list, rank_capacity
+from edge_core.plan.parallel import rank_capacity
 
 TWO_NODES = [{"total": 16 * GIB, "free": 8 * GIB, "cpus": 4}, {"total": 16 * GIB, "free": 8 * GIB, "cpus": 4}]
 

@@ -3,7 +3,7 @@
 The rule (README, docs/writing-a-backend.md): the top-level modules of
 ``edge_core`` are the contract backends import, and nothing else; each
 sub-package is one tier, and imports point down only — ``kit/testing -> cli ->
-runtime -> plan/page -> artifact -> services -> contract``. The import graph
+runtime -> plan/page -> engines -> artifact -> services -> contract``. The import graph
 is read from the source with ``ast``, and every import counts: one inside a
 function (a cycle hidden in a function is still a cycle) and one under ``if
 TYPE_CHECKING:`` (a type costs nothing at run time, but a cycle through it is
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "edge_core"
 
 #: Layer rank of each part of edge_core: a module may import only ranks <= its own.
-LAYERS = {"edge_core.kit": 6, "edge_core.testing": 6, "edge_core.cli": 5, "edge_core.runtime": 4, "edge_core.plan": 3,
-          "edge_core.page": 3, "edge_core.artifact": 2, "edge_core.services": 1}
+LAYERS = {"edge_core.kit": 7, "edge_core.testing": 7, "edge_core.cli": 6, "edge_core.runtime": 5, "edge_core.plan": 4,
+          "edge_core.page": 4, "edge_core.engines": 3, "edge_core.artifact": 2, "edge_core.services": 1}
 #: The modules a backend may import (docs/writing-a-backend.md, "What you may import").
 DOCUMENTED_FOR_BACKENDS = (
     "edge_core", "edge_core.hookspecs", "edge_core.devices", "edge_core.host", "edge_core.budget",
@@ -41,7 +41,7 @@ DOCUMENTED_FOR_BACKENDS = (
 
 def rank(module: str) -> int:
     if module == "edge_core" or module == "edge_core.__main__":
-        return 7  # the package's public face and `python -m`: they may import anything, nothing imports them
+        return 8  # the package's public face and `python -m`: they may import anything, nothing imports them
     for layer, value in LAYERS.items():
         if module == layer or module.startswith(layer + "."):
             return value

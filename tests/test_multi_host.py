@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from edge_core.devices import Device
-from edge_core.plan.parallel import node_commands
+from edge_core.engines.vllm_launch import node_commands
 from edge_core.plans import Layout
 
 

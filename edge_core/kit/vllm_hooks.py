@@ -1,9 +1,10 @@
 """The stage hooks of every backend that runs on vLLM (edge-cpu, edge-cuda), written once.
 
 A backend re-exports these functions from its module
-(``from edge_core.kit.vllm_hooks import cancel, reference_token_ids, start_server, start_stage, stop_stage, stream``)
+(``from edge_core.kit.vllm_hooks import cancel, engine_rules, reference_token_ids, start_server, ...``)
 and pluggy registers them as its own hookimpls. Dispatch already goes to the
-owning backend only, so the functions need no ownership check. The runtime
+owning backend only, so the functions need no ownership check. ``engine_rules``
+hands the planner vLLM's rules (:mod:`edge_core.engines.vllm`). The runtime
 (:mod:`edge_core.runtime.vllm_stage`, which imports vLLM) loads only when a
 hook runs.
 
@@ -22,22 +23,29 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..engines.vllm import VLLM_RULES
 from ..hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from ..devices import Device
+    from ..engine import EngineRules
     from ..plans import DeviceShare, Plan, Refusal
     from ..runtime.vllm_server import VllmServer
     from ..runtime.vllm_stage import VllmStage
     from ..serving import ServerOptions
     from ..stream import DeltaEvent, StageRequest
 
-__all__ = ["architectures", "cancel", "pipeline_refusals", "reference_token_ids", "start_server", "start_stage",
+__all__ = ["architectures", "cancel", "engine_rules", "pipeline_refusals", "reference_token_ids", "start_server", "start_stage",
            "stop_stage", "stream"]
 
 log = logging.getLogger(__name__)
+
+
+@hookimpl
+def engine_rules(device: Device) -> EngineRules:
+    return VLLM_RULES
 
 
 @hookimpl

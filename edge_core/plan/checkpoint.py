@@ -248,7 +248,7 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
                      kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
                      block_size=block if isinstance(block, int) else None,
                      tp_size=share.layout.tp if share else 1, layer_range=share.layers if share else None,
-                     concurrent_batches=share.layout.pp if share else 1)
+                     concurrent_batches=share.layout.pp if share else 1, rules=owner.rules())
     budget = backend_budget(owner, core_reservations(device, manifest, session, kv, share), manifest=manifest,
                             session=session, host=host, devices=devices or (), share=share)
     terms, total, capacity = list(budget.reservations), budget.peak, budget.capacity_bytes

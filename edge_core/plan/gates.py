@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..budget import peak as combine
+from ..engines.vllm import VLLM_RULES
 from .capacity import capacity_of
 from .ledger import check_committed, pool_key, with_holders
 from .remedies import format_refusal
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
     from ..budget import Peak, Reservation
     from ..devices import Device
+    from ..engine import EngineRules
     from ..host import HostFacts
     from ..manifest import Manifest
     from ..plans import DeviceShare, DeviceVerdict, Refusal, SessionSpec
@@ -65,6 +67,14 @@ class Owner:
     def formats(self) -> list[str]:
         """The weight formats the device runs: its backend's answer, else what the device list says."""
         return self.call("weight_formats") or list(self.device.weight_formats)
+
+    def rules(self) -> EngineRules:
+        """The engine's rules for the checkpoint planner: its backend's ``engine_rules``, else vLLM's.
+
+        vLLM's answer for a device no installed backend owns (a saved device
+        list), as every backend that plans checkpoints runs them on vLLM.
+        """
+        return self.call("engine_rules") or VLLM_RULES
 
     def missing_note(self, consequence: str) -> tuple[str, ...]:
         """A plan note when no installed backend owns the device: planned from the list alone, ``consequence``."""

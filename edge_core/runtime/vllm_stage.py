@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..engines.vllm_launch import visible_devices
 from ..errors import StageError
-from ..plan.parallel import visible_devices
 from ..stream import DeltaEvent, StageRequest
 from .env import apply_runtime_env, versions
 from .logs import EngineLog
@@ -71,7 +71,7 @@ def pin_cuda_device(device: Device, environ: MutableMapping[str, str] | None = N
 
     vLLM runs a single-GPU stage on the first visible card. ``cuda:1`` planned
     and ``cuda:0`` used would be a stage moved silently, so the card is named
-    as a parallel plan names its group (:func:`edge_core.plan.parallel.visible_devices`):
+    as a parallel plan names its group (:func:`edge_core.engines.vllm_launch.visible_devices`):
     by its UUID from the probe, else by its NVML index with
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. The engine core and worker are spawned
     after this, so they inherit it.

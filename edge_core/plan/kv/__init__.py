@@ -2,15 +2,15 @@
 
 :mod:`.layout` classifies every layer (with the family rules of
 :mod:`edge_core.artifact.families`), :mod:`.charge` charges a session three
-ways, :mod:`.vllm_allocator` is the rule vLLM's own allocator follows, and
-:mod:`.search` inverts a rule: the longest context whose charge fits.
+ways (the engine's own allocator rule asked of an :class:`~edge_core.engine.EngineRules`,
+vLLM's by default), and :mod:`.search` inverts a rule: the longest context whose charge fits.
 """
 
 from ...budget import RULES, KVEstimate
+from ...engines.vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE, hybrid_block_size
 from .charge import DTYPE_BYTES, estimate_kv
 from .layout import LAYER_KINDS, KVLayout, LayerKV, kv_layout, rank_layout
 from .search import DEFAULT_CEILING_TOKENS, largest_fitting, max_model_len_for
-from .vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE, hybrid_block_size
 
 __all__ = [
     "CPU_ATTN_KERNEL_BLOCK_TOKENS",

@@ -3,7 +3,8 @@
 * ``flat`` -- every attention layer holds every token (the naive figure);
 * ``by_layer_type`` -- a sliding layer holds its window, a chunked layer its
   chunk (the reference figure for hybrids; ``kv.bytes_by_layer_type`` in docs/json.md);
-* ``vllm`` -- what vLLM's own allocator reserves (:mod:`.vllm_allocator`).
+* ``vllm`` -- what the engine's own allocator reserves (an
+  :class:`~edge_core.engine.EngineRules`; vLLM's, :mod:`edge_core.engines.vllm`, by default).
 
 Recurrent (Mamba, linear-attention, short-conv) state is per sequence, not per
 token, and is added to all three totals.
@@ -12,21 +13,18 @@ token, and is added to all three totals.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...artifact.families import ssm_dtype_asked
 from ...budget import RULES, KVEstimate
+from ...engine import ChargeSettings
+from ...engines.vllm import VLLM_RULES
+from ...engines.vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE
 from ...errors import UsageError
-from .layout import KVLayout, LayerKV, kv_layout, rank_layout
-from .vllm_allocator import (
-    CPU_ATTN_KERNEL_BLOCK_TOKENS,
-    DEFAULT_MAMBA_SSM_CACHE_DTYPE,
-    hybrid_block_size,
-    mamba_cache_mode,
-    state_blocks_per_request,
-    vllm_charge,
-)
+from .layout import kv_layout, rank_layout
+
+if TYPE_CHECKING:
+    from ...engine import EngineRules, KVLayout
 
 #: Bytes per element for the dtypes a KV cache or model is stored in.
 #: ``auto`` as a KV dtype means the model dtype (vLLM's meaning too).
@@ -55,26 +53,9 @@ def positive(value: Any, name: str, *, optional: bool = False) -> None:
         raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
 
-@dataclass(frozen=True)
-class ChargeSettings:
-    """The per-session constants every charge needs (bytes per element, vLLM's resolved settings)."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int | None
-    block_size: int | None
-    concurrent_batches: int
-    kv_bytes: int
-    cache_bytes: int
-    ssm_bytes: int
-    mamba_cache_mode: str | None
-
-    def state_blocks(self, layer: LayerKV) -> int:
-        """State pages one request holds for this recurrent layer."""
-        return state_blocks_per_request(layer.state_formula, self.mamba_cache_mode)
-
-
-def charge_bytes(layout: KVLayout, rule: str, max_model_len: int, s: ChargeSettings) -> int:
-    """Bytes for one rule; the KV pool plus recurrent state for every sequence."""
+def charge_bytes(layout: KVLayout, rule: str, max_model_len: int, s: ChargeSettings,
+                 rules: EngineRules = VLLM_RULES) -> int:
+    """Bytes for one rule; the KV pool plus recurrent state for every sequence (``vllm``: the engine's answer)."""
     if rule != "vllm":
         per_seq = 0
         for layer in layout.layers:
@@ -85,17 +66,15 @@ def charge_bytes(layout: KVLayout, rule: str, max_model_len: int, s: ChargeSetti
                 per_seq += tokens * layer.elements_per_token * s.kv_bytes
             per_seq += layer.state_bytes(s.cache_bytes, s.ssm_bytes)
         return per_seq * s.max_num_seqs
-    return vllm_charge(layout, max_model_len, max_num_seqs=s.max_num_seqs,
-                       max_num_batched_tokens=s.max_num_batched_tokens, concurrent_batches=s.concurrent_batches,
-                       block_size=s.block_size, kv_bytes=s.kv_bytes, cache_bytes=s.cache_bytes, ssm_bytes=s.ssm_bytes,
-                       mamba_cache_mode=s.mamba_cache_mode)
+    return rules.charge_bytes(layout, max_model_len, s)
 
 
 def resolve_charge_settings(layout: KVLayout, kv_dtype: str, model_dtype: str, *, max_num_seqs: int,
                             max_num_batched_tokens: int | None, block_size: int | None, concurrent_batches: int,
                             mamba_cache_dtype: str, mamba_ssm_cache_dtype: str, enable_prefix_caching: bool | None,
-                            kernel_block_tokens: int, config: Mapping[str, Any]) -> tuple[str, ChargeSettings]:
-    """The KV dtype name and the resolved constants every charge of one session needs."""
+                            kernel_block_tokens: int, config: Mapping[str, Any],
+                            rules: EngineRules = VLLM_RULES) -> tuple[str, ChargeSettings]:
+    """The KV dtype name and the resolved constants every charge of one session needs (block and mode: ``rules``')."""
     positive(max_num_seqs, "max_num_seqs")
     positive(max_num_batched_tokens, "max_num_batched_tokens", optional=True)
     positive(block_size, "block_size", optional=True)
@@ -118,12 +97,12 @@ def resolve_charge_settings(layout: KVLayout, kv_dtype: str, model_dtype: str, *
         ssm_bytes = dtype_bytes(asked, "mamba_ssm_cache_dtype") if asked else cache_bytes
     else:
         ssm_bytes = dtype_bytes(mamba_ssm_cache_dtype, "mamba_ssm_cache_dtype")
-    block = hybrid_block_size(layout, block_size, kv_bytes=kv_bytes, cache_bytes=cache_bytes,
-                              ssm_bytes=ssm_bytes, kernel_block_tokens=kernel_block_tokens)
+    block = rules.block_size(layout, block_size, kv_bytes=kv_bytes, cache_bytes=cache_bytes,
+                             ssm_bytes=ssm_bytes, kernel_block_tokens=kernel_block_tokens)
     return resolved, ChargeSettings(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     block_size=block, concurrent_batches=concurrent_batches, kv_bytes=kv_bytes,
                                     cache_bytes=cache_bytes, ssm_bytes=ssm_bytes,
-                                    mamba_cache_mode=mamba_cache_mode(layout, enable_prefix_caching))
+                                    mamba_cache_mode=rules.cache_mode(layout, enable_prefix_caching))
 
 
 def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: int = 1,
@@ -133,7 +112,7 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
                 mamba_ssm_cache_dtype: str = DEFAULT_MAMBA_SSM_CACHE_DTYPE,
                 enable_prefix_caching: bool | None = None,
                 kernel_block_tokens: int = CPU_ATTN_KERNEL_BLOCK_TOKENS, tp_size: int = 1,
-                layer_range: tuple[int, int] | None = None) -> KVEstimate:
+                layer_range: tuple[int, int] | None = None, rules: EngineRules = VLLM_RULES) -> KVEstimate:
     """Charge a session's KV cache three ways (see the module docstring).
 
     ``kv_dtype`` ``auto`` stores KV in ``model_dtype``; fp8 variants take one
@@ -154,7 +133,9 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
     (on, except for attention-free models); with it a recurrent layer holds
     ``align``-mode state blocks. ``tp_size`` and ``layer_range`` charge one
     rank of a parallel layout (:func:`rank_layout`); vLLM's
-    ``kv_cache_memory_bytes`` is per rank.
+    ``kv_cache_memory_bytes`` is per rank. ``rules`` are the engine's
+    (:class:`~edge_core.engine.EngineRules`): its block, state mode and the
+    ``vllm`` figure; the defaults above are vLLM CPU's.
     """
     positive(max_model_len, "max_model_len")
     layout = rank_layout(kv_layout(config, tp_size), tp_size, layer_range)
@@ -163,12 +144,13 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
                                           concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
                                           mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
                                           enable_prefix_caching=enable_prefix_caching,
-                                          kernel_block_tokens=kernel_block_tokens, config=config)
-    figures = {rule: charge_bytes(layout, rule, max_model_len, s) for rule in RULES}
+                                          kernel_block_tokens=kernel_block_tokens, config=config, rules=rules)
+    figures = {rule: charge_bytes(layout, rule, max_model_len, s, rules) for rule in RULES}
     recurrent = sum(l.state_bytes(s.cache_bytes, s.ssm_bytes) for l in layout.layers) * max_num_seqs
     per_token = sum(l.elements_per_token for l in layout.layers if l.attention) * s.kv_bytes
-    blocks = max((s.state_blocks(l) for l in layout.layers if l.state_elements), default=0)
-    rules = _rule_notes(s, max_num_batched_tokens, block_size, recurrent=bool(recurrent),
+    blocks = max((rules.state_blocks(l.state_formula, s.mamba_cache_mode) for l in layout.layers
+                  if l.state_elements), default=0)
+    notes = _rule_notes(s, rules, max_num_batched_tokens, block_size, recurrent=bool(recurrent),
                         hybrid=bool(s.block_size and per_token), state_blocks=blocks)
     return KVEstimate(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -177,13 +159,13 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
         layer_counts=layout.counts(), windows_tokens=layout.windows_tokens(),
         bytes_per_token_flat=per_token, bytes_flat=figures["flat"],
         bytes_by_layer_type=figures["by_layer_type"], bytes_vllm=figures["vllm"],
-        recurrent_state_bytes=recurrent, evidence=layout.evidence, rules=rules,
+        recurrent_state_bytes=recurrent, evidence=layout.evidence, rules=notes,
         base_block_size=block_size, ssm_state_dtype_bytes=s.ssm_bytes, mamba_cache_mode=s.mamba_cache_mode,
         state_blocks_per_request=blocks, tp_size=tp_size, layer_range=layer_range,
         concurrent_batches=concurrent_batches)
 
 
-def _rule_notes(s: ChargeSettings, max_num_batched_tokens: int | None, block_size: int | None, *,
+def _rule_notes(s: ChargeSettings, engine: EngineRules, max_num_batched_tokens: int | None, block_size: int | None, *,
                 recurrent: bool, hybrid: bool, state_blocks: int) -> dict[str, str]:
     """One line per figure of :class:`KVEstimate` saying how it was computed."""
     if max_num_batched_tokens is None:
@@ -197,9 +179,7 @@ def _rule_notes(s: ChargeSettings, max_num_batched_tokens: int | None, block_siz
         "flat": "every attention layer holds max_model_len tokens per sequence",
         "by_layer_type": "full/MLA layers hold max_model_len tokens; sliding and chunked "
                          "layers hold min(window, max_model_len)",
-        "vllm": "vLLM 0.32 allocator: full layers max_model_len; sliding layers "
-                f"min(window - 1 + in-flight tokens, max_model_len), in flight = {in_flight}; "
-                f"chunked layers as full (hybrid manager off); {rounding}",
+        "vllm": engine.charge_note(s, in_flight, rounding),
     }
     if recurrent:
         rules["recurrent"] = (

@@ -6,12 +6,14 @@ is imported from transformers. The layer types come from the family rules in
 :mod:`edge_core.artifact.families`; :func:`kv_layout` turns them into kinds
 (full, MLA, sliding window, chunked local, recurrent state, none) with the
 elements each caches, and :func:`rank_layout` cuts that to one parallel rank.
+The value types (:class:`~edge_core.engine.KVLayout`) are the contract's: an
+engine's rules receive them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ...artifact.families import (
@@ -35,108 +37,9 @@ from ...artifact.fields import (
     unreadable,
     window_tokens,
 )
+from ...engine import LAYER_KINDS, KVLayout, LayerKV
 
-#: Layer kinds. ``mla`` is full attention over a compressed latent (one
-#: "head" of kv_lora_rank + qk_rope_head_dim elements, not doubled for K/V).
-LAYER_KINDS = ("full", "mla", "sliding", "chunked", "recurrent", "none")
-
-
-@dataclass(frozen=True)
-class LayerKV:
-    """What one decoder layer keeps per sequence.
-
-    ``elements_per_token`` counts cached elements per token (K and V together;
-    the latent for MLA), 0 for recurrent and ``none`` layers.
-    ``window_tokens`` is the sliding window or attention chunk, else None.
-    ``state_elements`` is the recurrent state per sequence, else 0; of it,
-    ``ssm_state_elements`` is the part vLLM stores in ``mamba_ssm_cache_dtype``
-    (the SSM / delta-rule state), the rest (conv state, a lightning or
-    short-conv state) in ``mamba_cache_dtype``. ``state_formula`` names the
-    shape rule (``mamba1``, ``mamba2``, ``gated_deltanet``, ...).
-    """
-
-    index: int
-    kind: str
-    elements_per_token: int = 0
-    window_tokens: int | None = None
-    state_elements: int = 0
-    ssm_state_elements: int = 0
-    state_formula: str = ""
-
-    @property
-    def attention(self) -> bool:
-        return self.kind in ("full", "mla", "sliding", "chunked")
-
-    def state_bytes(self, cache_dtype_bytes: int, ssm_dtype_bytes: int) -> int:
-        """This layer's state per sequence: the SSM part in its dtype, the rest in the cache dtype."""
-        return ((self.state_elements - self.ssm_state_elements) * cache_dtype_bytes
-                + self.ssm_state_elements * ssm_dtype_bytes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "kind": self.kind,
-            "elements_per_token": self.elements_per_token,
-            "window_tokens": self.window_tokens,
-            "state_elements": self.state_elements,
-            "ssm_state_elements": self.ssm_state_elements,
-            "state_formula": self.state_formula,
-        }
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Every layer's KV shape, read from a text config.
-
-    ``num_kv_heads`` x ``head_dim`` is one of K or V per token per layer
-    (MLA: 1 x (kv_lora_rank + qk_rope_head_dim)). ``source`` says which config
-    fields decided the layer kinds; ``evidence`` is ``D`` (detected: the config
-    states them, ``layer_types`` or plain full attention) or ``E`` (estimated:
-    edge inferred them from a family rule, or estimated recurrent state).
-    """
-
-    layers: tuple[LayerKV, ...]
-    num_kv_heads: int
-    head_dim: int
-    mla: bool
-    source: str
-    evidence: str
-    notes: tuple[str, ...] = ()
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def counts(self) -> dict[str, int]:
-        """Layers per kind, every kind present (zeros included)."""
-        out = {kind: 0 for kind in LAYER_KINDS}
-        for layer in self.layers:
-            out[layer.kind] += 1
-        return out
-
-    def windows_tokens(self) -> tuple[int, ...]:
-        """Distinct sliding windows / chunks, ascending."""
-        return tuple(sorted({l.window_tokens for l in self.layers if l.window_tokens}))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "mla": self.mla,
-            "layer_counts": self.counts(),
-            "windows_tokens": list(self.windows_tokens()),
-            "layer_kinds": [l.kind for l in self.layers],
-            "elements_per_token_per_layer": max(
-                (l.elements_per_token for l in self.layers), default=0),
-            "state_elements_per_layer": max((l.state_elements for l in self.layers), default=0),
-            "state_layers": sum(1 for l in self.layers if l.state_elements),
-            "source": self.source,
-            "evidence": self.evidence,
-            "notes": list(self.notes),
-        }
-
-
+__all__ = ["LAYER_KINDS", "KVLayout", "LayerKV", "attention_shape", "kv_layout", "rank_layout", "recurrent_state"]
 
 def attention_shape(config: Mapping[str, Any]) -> tuple[int, int, int, bool]:
     """(elements per token per layer, kv heads, head dim, mla)."""

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...artifact.fields import CONTEXT_FIELDS, opt_int
 from ...budget import check_rule
+from ...engines.vllm import VLLM_RULES
+from ...engines.vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE
 from ...errors import UsageError
 from .charge import charge_bytes, positive, resolve_charge_settings
 from .layout import kv_layout, rank_layout
-from .vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE
+
+if TYPE_CHECKING:
+    from ...engine import EngineRules
 
 #: Ceiling for :func:`max_model_len_for` when the config names no context
 #: length: a model with no full-attention layer charges a constant beyond its
@@ -27,14 +31,15 @@ def max_model_len_for(config: Mapping[str, Any], budget_bytes: int, *, max_num_s
                       mamba_ssm_cache_dtype: str = DEFAULT_MAMBA_SSM_CACHE_DTYPE,
                       enable_prefix_caching: bool | None = None,
                       kernel_block_tokens: int = CPU_ATTN_KERNEL_BLOCK_TOKENS, tp_size: int = 1,
-                      layer_range: tuple[int, int] | None = None) -> int:
+                      layer_range: tuple[int, int] | None = None, rules: EngineRules = VLLM_RULES) -> int:
     """The largest ``max_model_len`` whose KV charge under ``rule`` fits ``budget_bytes``.
 
     0 when not even one token fits. The answer is capped at ``ceiling_tokens``
     (default: the config's ``max_position_embeddings``, else
     :data:`DEFAULT_CEILING_TOKENS`), since a model with no full-attention
     layer charges a constant past its window. Every rule is non-decreasing in
-    ``max_model_len``, so a binary search is exact.
+    ``max_model_len``, so a binary search is exact. ``rules`` are the engine's,
+    as for :func:`~.charge.estimate_kv`.
     """
     check_rule(rule)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
@@ -44,13 +49,13 @@ def max_model_len_for(config: Mapping[str, Any], budget_bytes: int, *, max_num_s
                                    max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                                    concurrent_batches=concurrent_batches, mamba_cache_dtype=mamba_cache_dtype,
                                    mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, enable_prefix_caching=enable_prefix_caching,
-                                   kernel_block_tokens=kernel_block_tokens, config=config)
+                                   kernel_block_tokens=kernel_block_tokens, config=config, rules=rules)
     if ceiling_tokens is None:
         ceiling_tokens = opt_int(config, CONTEXT_FIELDS) or DEFAULT_CEILING_TOKENS
     positive(ceiling_tokens, "ceiling_tokens")
 
     def fits(tokens: int) -> bool:
-        return charge_bytes(layout, rule, tokens, s) <= budget_bytes
+        return charge_bytes(layout, rule, tokens, s, rules) <= budget_bytes
 
     return largest_fitting(fits, ceiling_tokens)
 

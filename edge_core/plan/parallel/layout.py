@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: The port the head's multi-node executor listens on when the user names none (vLLM's
-#: ``--master-port`` default, ``ParallelConfig.master_port``).
-MASTER_PORT = 29501
+from ...engines.vllm_launch import MASTER_PORT
 
 
 @dataclass(frozen=True)

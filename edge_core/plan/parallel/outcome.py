@@ -6,26 +6,30 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ...engines.vllm_launch import MASTER_PORT
 from ...plans import EXECUTOR_MP, Refusal
 from ..checkpoint import engine_kwargs_for
 from ..execution import with_mode
 from .groups import host_of, mixed_group_refusal
-from .launch import CPU_VLLM_SCRIPT_NOTE, device_files, launch_env, node_commands, node_edge_commands, node_env
-from .layout import MASTER_PORT, ParallelRequest
+from .layout import ParallelRequest
 from .weights import tensor_roles
 
 if TYPE_CHECKING:
     from ...budget import KVEstimate
     from ...devices import Device
+    from ...engine import EngineRules
     from ...host import HostFacts
     from ...manifest import Manifest
-    from ...plans import DeviceVerdict, Plan, SessionSpec
+    from ...plans import DeviceVerdict, Layout, Plan, SessionSpec
     from .attempt import Attempt
 
 
 def admitted_plan(manifest: Manifest, single: Plan, attempt: Attempt, request: ParallelRequest,
-                  facts: Mapping[str, HostFacts | None], command_model: str | None) -> Plan:
-    """``single`` turned into the plan of ``attempt``: rank 0's device in the table, every rank in ``parallel``."""
+                  facts: Mapping[str, HostFacts | None], command_model: str | None, rules: EngineRules) -> Plan:
+    """``single`` turned into the plan of ``attempt``: rank 0's device in the table, every rank in ``parallel``.
+
+    ``rules`` are the engine's (rank 0's backend's): they write the launch environment and node commands.
+    """
     layout = attempt.layout
     device, _, outcome = attempt.outcomes[0]
     assert outcome.kv is not None and outcome.peak is not None
@@ -33,11 +37,13 @@ def admitted_plan(manifest: Manifest, single: Plan, attempt: Attempt, request: P
     kv_bytes = max(o.kv.bytes_vllm for _, _, o in attempt.outcomes if o.kv is not None)
     kv = replace(outcome.kv, bytes_vllm=kv_bytes)
     kwargs = _engine_kwargs(manifest, session, attempt, request, kv)
-    env, unpinned = launch_env(device, layout, session, facts, [d for d, _, _ in attempt.outcomes])
-    parallel = _parallel_section(manifest, single, attempt, request, facts, command_model, kwargs, env)
+    env, unpinned = rules.launch_env(device, layout, session, facts.get(host_of(device)),
+                                     [d for d, _, _ in attempt.outcomes])
+    parallel = _parallel_section(manifest, single, attempt, request, facts, command_model, kwargs, env, rules)
     return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
                    peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
-                   verdicts=_verdicts(single, attempt), notes=_notes(manifest, single, attempt, request, unpinned),
+                   verdicts=_verdicts(single, attempt),
+                   notes=_notes(manifest, single, attempt, request, unpinned, rules),
                    parallel=parallel, session=session, execution=outcome.execution)
 
 
@@ -64,7 +70,7 @@ def _engine_kwargs(manifest: Manifest, session: SessionSpec, attempt: Attempt, r
 
 def _parallel_section(manifest: Manifest, single: Plan, attempt: Attempt, request: ParallelRequest,
                       facts: Mapping[str, HostFacts | None], command_model: str | None, kwargs: dict[str, Any],
-                      env: dict[str, str]) -> dict[str, Any]:
+                      env: dict[str, str], rules: EngineRules) -> dict[str, Any]:
     """The plan's ``parallel``: the layout, its environment, every rank and device, and each node's command."""
     layout = attempt.layout
     device = attempt.outcomes[0][0]
@@ -80,8 +86,8 @@ def _parallel_section(manifest: Manifest, single: Plan, attempt: Attempt, reques
                     for d, s, o in attempt.outcomes],
         "nnodes": layout.hosts,
         "commands": node_edge_commands(request, layout, command_model or manifest.path) if joined
-        else node_commands(attempt.hosts, command_model or manifest.path, layout, device_files(single),
-                           kwargs, node_env(device, layout, attempt.hosts, facts, env))
+        else rules.node_commands(attempt.hosts, command_model or manifest.path, layout, device_files(single),
+                                 kwargs, rules.node_env(device, layout, attempt.hosts, facts, env))
         if layout.hosts > 1 else [],
     }
     if joined:
@@ -112,7 +118,7 @@ def _verdicts(single: Plan, attempt: Attempt) -> tuple[DeviceVerdict, ...]:
 
 
 def _notes(manifest: Manifest, single: Plan, attempt: Attempt, request: ParallelRequest,
-           unpinned: str | None) -> tuple[str, ...]:
+           unpinned: str | None, rules: EngineRules) -> tuple[str, ...]:
     """``single``'s notes plus why a layout was chosen, and what the plan could not pin."""
     layout = attempt.layout
     device = attempt.outcomes[0][0]
@@ -126,8 +132,25 @@ def _notes(manifest: Manifest, single: Plan, attempt: Attempt, request: Parallel
     return single.notes + notes_without_tensors + (
         f"{why}: {layout.label()} on {count} device{'s' if count > 1 else ''} ({layout.flags()}); the table is "
         "rank 0's device, `parallel` in --json has each",) + ((unpinned,) if unpinned else ()) + (
-        (CPU_VLLM_SCRIPT_NOTE,) if device.kind == "cpu" and layout.hosts > 1 and layout.executor == EXECUTOR_MP
-        and request.nnodes <= 1 else ())
+        rules.launch_notes(device, layout) if request.nnodes <= 1 else ())
+
+
+def device_files(plan: Plan) -> list[str]:
+    """The device-list files a plan read (``--devices``), for a Ray head's ``edge serve``."""
+    source = plan.devices_source
+    return source.removeprefix("file:").split(",") if source.startswith("file:") else []
+
+
+def node_edge_commands(request: ParallelRequest, layout: Layout, model: str, command: str = "serve") -> list[dict[str, Any]]:
+    """The ``edge`` command each node of a ``--nnodes`` session runs (node 0 serves; the others run headless)."""
+    port = request.master_port or MASTER_PORT
+    rows = []
+    for rank in range(request.nnodes):
+        rows.append({"node_rank": rank,
+                     "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
+                     "command": f"edge {command} --model {model} {layout.flags()} --nnodes {request.nnodes} "
+                                f"--node-rank {rank} --master-addr {request.master_addr} --master-port {port}"})
+    return rows
 
 
 def refused_plan(single: Plan, tried: list[Attempt], request: ParallelRequest, candidates: list[Device]) -> Plan:

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ...plans import EXECUTOR_MP, Layout, Refusal
+from ..gates import Owner
 from .attempt import Attempt, try_layout
 from .groups import candidate_layouts, groupable, host_of, like_groups
 from .layout import ParallelRequest
@@ -78,7 +79,8 @@ def plan_parallel(manifest: Manifest, single: Plan, *, request: ParallelRequest,
                 best = attempt
                 break
     if best is not None:
-        return admitted_plan(manifest, single, best, request, facts, command_model)
+        return admitted_plan(manifest, single, best, request, facts, command_model,
+                             Owner.of(best.outcomes[0][0], registry).rules())
     return refused_plan(single, tried, request, [d for d in devices if groupable(d)])
 
 
@@ -116,7 +118,8 @@ def _plan_node(manifest: Manifest, single: Plan, request: ParallelRequest, group
                                   node=request.node_rank)
             tried.append(attempt)
             if not attempt.refusals:
-                return admitted_plan(manifest, single, attempt, request, facts, command_model)
+                return admitted_plan(manifest, single, attempt, request, facts, command_model,
+                                     Owner.of(attempt.outcomes[0][0], registry).rules())
     if refusals:
         return replace(single, admitted=False, refusals=tuple(refusals))
     return refused_plan(single, tried, request, [d for d in devices if groupable(d)])

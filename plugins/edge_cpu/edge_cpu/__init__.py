@@ -12,7 +12,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from edge_core import Device, ExecutionMode, HostFacts, hookimpl
-from edge_core.kit.vllm_hooks import cancel, reference_token_ids, start_server, start_stage, stop_stage, stream
+from edge_core.kit.vllm_hooks import (
+    cancel,
+    engine_rules,
+    reference_token_ids,
+    start_server,
+    start_stage,
+    stop_stage,
+    stream,
+)
 
 from . import _gates, _memory, _probe, _schemes, _vllm_support
 
@@ -22,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EDGE_API_VERSION",
     "cancel",
+    "engine_rules",
     "execution_mode",
     "format_remedy",
     "gate_plan",

@@ -16,7 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 from edge_core import ExecutionMode, hookimpl
-from edge_core.kit.vllm_hooks import cancel, reference_token_ids, start_server, start_stage, stop_stage, stream
+from edge_core.kit.vllm_hooks import (
+    cancel,
+    engine_rules,
+    reference_token_ids,
+    start_server,
+    start_stage,
+    stop_stage,
+    stream,
+)
 
 from . import _capability, _counter, _graphs, _memory, _pipeline, _probe
 
@@ -32,6 +40,7 @@ last_probe_note: str | None = None
 __all__ = [
     "EDGE_API_VERSION",
     "cancel",
+    "engine_rules",
     "execution_mode",
     "format_remedy",
     "gate_plan",

