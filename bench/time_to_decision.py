@@ -48,8 +48,8 @@ def plan_70b_in_process(runs: int) -> list[float]:
 
     from edge_core.devices import Device
     from edge_core.host import read_host
-    from edge_core.plan import make_plan
     from edge_core.plans import SessionSpec
+    from edge_core.runtime.admission import make_plan
 
     config = dict(KNOWN_CONFIGS["meta-llama/Llama-3.1-70B"])
     cpu = Device(device_id="cpu", kind="cpu", vendor="amd", name="bench", backend="vllm:cpu", runnable=True,

@@ -31,9 +31,9 @@ from edge_core.artifact import read_manifest, weight_format_for
 from edge_core.artifact.formats import SCHEME_KEYS, quantization_scheme_for
 from edge_core.errors import ArtifactError
 from edge_core.host import HostFacts
-from edge_core.plan import make_plan
 from edge_core.plan.remedies import FORMATS_ELSEWHERE
 from edge_core.plans import SessionSpec
+from edge_core.runtime.admission import make_plan
 
 GIB = 1 << 30
 

@@ -26,11 +26,12 @@ from edge_core.cli.run import describe_stage_record
 from edge_core.devices import Device
 from edge_core.errors import UsageError
 from edge_core.host import HostFacts
-from edge_core.plan import make_plan, plan_graph_stage
+from edge_core.plan import plan_graph_stage
 from edge_core.plan.graph_stage import NUMERIC_TOLERANCE
 from edge_core.plan.ledger import ledger_bytes
 from edge_core.plans import SessionSpec
 from edge_core.routes import ROUTES_EXTRA, Route, resolve
+from edge_core.runtime.admission import make_plan
 from edge_core.runtime.graph_run import admit_stage, compare_outputs, run_graph_stage
 from edge_core.services import host_ledger as hl
 from edge_core.services.registry import Registry
@@ -310,7 +311,7 @@ def test_planning_a_graph_imports_no_onnxruntime(fp32_graph):
     pytest.importorskip("onnx")
     script = (
         "import sys\n"
-        "from edge_core.plan import make_plan\n"
+        "from edge_core.runtime.admission import make_plan\n"
         "from edge_core.plans import SessionSpec\n"
         "from edge_core.devices import Device\n"
         "d = Device(device_id='npu:amd', kind='npu', vendor='amd', name='n', backend='ort:vitisai', runnable=True,\n"

@@ -18,8 +18,8 @@ import pytest
 from edge_core.devices import load_device_list
 from edge_core.errors import UsageError
 from edge_core.host import HostFacts
-from edge_core.plan import make_plan
 from edge_core.plans import SessionSpec
+from edge_core.runtime.admission import make_plan
 from edge_core.services import host_ledger as hl
 
 DATA = Path(__file__).parent / "data"
@@ -194,7 +194,7 @@ RACER = textwrap.dedent("""
     from edge_core.runtime.admission import admit
     from edge_core.devices import load_device_list
     from edge_core.host import HostFacts
-    from edge_core.plan import make_plan
+    from edge_core.runtime.admission import make_plan
     from edge_core.plans import SessionSpec
 
     devices, host = load_device_list({devices!r})

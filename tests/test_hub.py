@@ -23,8 +23,8 @@ from edge_core.artifact import DEMO_MODEL, DEMO_MODEL_HD16
 from edge_core.artifact.hub import looks_like_hub_id, resolve_model
 from edge_core.devices import load_device_list
 from edge_core.host import HostFacts
-from edge_core.plan import make_plan
 from edge_core.plans import SessionSpec
+from edge_core.runtime.admission import make_plan
 from edge_core.services.registry import Registry, discover
 
 DATA = Path(__file__).parent / "data"

@@ -20,9 +20,9 @@ import pytest
 from edge_core import Device, hookimpl
 from edge_core.artifact import DEMO_MODEL
 from edge_core.errors import UsageError
-from edge_core.plan import make_plan
 from edge_core.plans import SessionSpec
 from edge_core.runtime.accept import PROMPTS
+from edge_core.runtime.admission import make_plan
 from edge_core.runtime.parity import first_divergence, run_parity
 from edge_core.services.registry import Registry
 from edge_core.stream import DeltaEvent, StateHandle

@@ -12,10 +12,11 @@ from edge_core.artifact import read_manifest
 from edge_core.budget import peak
 from edge_core.devices import load_device_list
 from edge_core.host import HostFacts, read_host
-from edge_core.plan import candidate_order, make_plan
+from edge_core.plan import candidate_order
 from edge_core.plan.kv import estimate_kv
 from edge_core.plan.parallel import ParallelRequest
 from edge_core.plans import SessionSpec
+from edge_core.runtime.admission import make_plan
 from edge_core.services.registry import Registry
 
 DATA = Path(__file__).parent / "data"

@@ -36,8 +36,8 @@ from reference_set import BY_NAME, CLASSES, ENTRIES, cut_config, session_for, wr
 pytest.importorskip("edge_cpu")
 
 from edge_core import builds  # noqa: E402
-from edge_core.plan import load_devices, make_plan
 from edge_core.plans import SessionSpec
+from edge_core.runtime.admission import load_devices, make_plan
 from edge_core.services.registry import Registry  # noqa: E402
 
 REFERENCE_FILE = Path(__file__).resolve().parent / "data" / "vllm_cpu_reference.json"

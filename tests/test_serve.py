@@ -337,8 +337,8 @@ def fake_server_backend(calls: list) -> object:
 
 def test_hook_start_server_gets_a_bound_socket_and_edge_routes_and_its_report_is_the_record():
     from edge_core.host import read_host
-    from edge_core.plan import make_plan
     from edge_core.plans import SessionSpec
+    from edge_core.runtime.admission import make_plan
     from edge_core.runtime.serve import serve_plan
     from edge_core.services.registry import Registry
 
@@ -378,8 +378,8 @@ def test_hook_start_server_gets_a_bound_socket_and_edge_routes_and_its_report_is
 
 def test_a_backend_without_start_server_cannot_serve():
     from edge_core.host import read_host
-    from edge_core.plan import make_plan
     from edge_core.plans import SessionSpec
+    from edge_core.runtime.admission import make_plan
     from edge_core.runtime.serve import serve_plan
     from edge_core.services.registry import Registry
 

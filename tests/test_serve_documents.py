@@ -88,8 +88,8 @@ class Said:
 def served():
     """One fake server's answers to each path, its plan, and what it said."""
     from edge_core.host import read_host
-    from edge_core.plan import make_plan
     from edge_core.plans import SessionSpec
+    from edge_core.runtime.admission import make_plan
     from edge_core.runtime.serve import serve_plan
     from edge_core.services.registry import Registry
 

@@ -50,8 +50,8 @@ def cached_revisions() -> tuple[str, list[dict[str, Any]], list[str]]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from ..plan import make_plan
     from ..plans import SessionSpec
+    from ..runtime.admission import make_plan
     from ..services.registry import discover
 
     started = time.perf_counter()

@@ -1,8 +1,9 @@
 """Can it run here, on which device, with how many bytes — and if not, why?
 
 The plan layer: pure and import-cheap (it never imports a runtime, the CLI,
-torch or vLLM). :func:`make_plan` reads the artifact and returns a
-:class:`~edge_core.plans.Plan` either way — admitted with every reservation and the engine
+torch or vLLM) and does no I/O: :func:`plan_artifact` is handed a read artifact
+(its :class:`~edge_core.manifest.Manifest`), device facts and a ledger view,
+and returns a :class:`~edge_core.plans.Plan` either way — admitted with every reservation and the engine
 arguments, or refused with a :class:`~edge_core.plans.Refusal` per reason, each with a remedy
 that is never applied silently.
 
@@ -22,7 +23,7 @@ from .checkpoint import DEFAULT_MAX_NUM_BATCHED_TOKENS, engine_kwargs_for, resol
 from .gates import candidate_order
 from .graph_stage import executes_graphs, plan_graph_stage
 from .kv import estimate_kv, kv_layout, max_model_len_for
-from .planner import load_devices, make_plan, only_backend
+from .planner import only_backend, only_devices, plan_artifact, unreadable_artifact
 from .remedies import FORMATS_ELSEWHERE
 from .terms import HOST_EXTERNAL_RESERVE_BYTES, SAFETY_MARGIN_FRACTION, VRAM_EXTERNAL_RESERVE_BYTES
 
@@ -38,11 +39,12 @@ __all__ = [
     "estimate_kv",
     "executes_graphs",
     "kv_layout",
-    "load_devices",
-    "make_plan",
     "max_model_len_for",
     "only_backend",
+    "only_devices",
+    "plan_artifact",
     "plan_graph_stage",
     "resolve_session",
+    "unreadable_artifact",
 ]
 

@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ArtifactError, UsageError
 from ..plans import STAGE_ONLY_KINDS, DeviceVerdict, ExecutionMode, Plan, Refusal, SessionSpec
-from ..services.registry import SKIPPED, install_hint
 from .execution import execution_mode, with_mode
 from .gates import Judgement, Owner, Walk, backend_budget, budget_gates, format_gate, walk
 from .kv import estimate_kv
-from .remedies import capacity_refusal, shorter_context_fallbacks
+from .remedies import capacity_refusal, no_backend_refusal, shorter_context_fallbacks
 from .terms import core_reservations
 
 if TYPE_CHECKING:
@@ -149,8 +148,7 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
 
     plugins = registry.plugins() if registry is not None else []
     if not devices and not plugins and devices_source == "probed":
-        return refused([Refusal(code="no_backend_installed", message=install_hint(),
-                                remedy="pip install edge-cpu (or edge-cuda for NVIDIA GPUs) in this venv")])
+        return refused([no_backend_refusal(registry, "pip install edge-cpu (or edge-cuda for NVIDIA GPUs) in this venv")])
     try:
         session = resolve_session(manifest, session)
         record = walk(devices, lambda device: _judge(device, manifest, session, _host_of(device, host, hosts),
@@ -263,7 +261,7 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
 
 def left_out_plugins(plugins: list[PluginRecord]) -> str:
     """``plugin 'cpu'`` (``plugins 'cpu', 'cuda'``) for installed backends the allow- or block-list kept out; or ''."""
-    names = [r.name for r in plugins if r.status in SKIPPED]
+    names = [r.name for r in plugins if r.skipped]
     if not names:
         return ""
     return ("plugin " if len(names) == 1 else "plugins ") + ", ".join(repr(n) for n in names)

@@ -2,7 +2,7 @@
 
 iGPUs and NPUs execute exported graphs one stage at a time, never a whole
 decode session. :func:`plan_graph_stage` (reached from
-``make_plan`` when the artifact is an ``.onnx`` graph) walks the devices that
+:func:`~edge_core.plan.planner.plan_artifact` when the artifact is an ``.onnx`` graph) walks the devices that
 execute graphs through the gates *reachable* (a device that exists but no
 interpreter here drives it is ``device_unreachable_from_this_process``, naming
 the route and interpreter that would), *format* (the graph's scheme against
@@ -28,10 +28,10 @@ from ..budget import MIB, Reservation
 from ..errors import UsageError
 from ..plans import STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
 from ..routes import INTERPRETER_NAMES, resolved_of, statuses_of
-from ..services.host_ledger import HOST_POOL, LedgerView, read_ledger
-from ..services.registry import install_hint
+from ..services.host_ledger import HOST_POOL, LedgerView
 from .gates import Judgement, Owner, backend_budget, budget_gates, format_gate, walk
 from .ledger import holder_dicts
+from .remedies import no_backend_refusal
 
 if TYPE_CHECKING:
     from ..budget import Peak
@@ -237,9 +237,9 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
                      numeric_tolerance: float | None = None) -> Plan:
     """Plan one exported-graph stage: the first graph-executing device that passes every gate.
 
-    ``ledger`` is what the live edge sessions and stages on this host hold;
-    by default it is read here (:func:`~edge_core.services.host_ledger.read_ledger`),
-    and ``LedgerView()`` plans as if nothing else held memory.
+    ``ledger`` is what the live edge sessions and stages on this host hold
+    (the caller reads it: :func:`~edge_core.services.host_ledger.read_ledger`);
+    None plans as if nothing else held memory.
     ``placement_threshold`` and ``numeric_tolerance`` override the defaults
     for this stage; both travel in ``plan.stage`` to the run.
     """
@@ -254,9 +254,8 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
 
     plugins = registry.plugins() if registry is not None else []
     if not devices and not plugins and devices_source == "probed":
-        return refused([Refusal(code="no_backend_installed", message=install_hint(),
-                                remedy="pip install edge-dml (AMD/Intel iGPU, Windows or WSL) or edge-vitisai "
-                                "(AMD XDNA NPU) in this venv")])
+        return refused([no_backend_refusal(registry, "pip install edge-dml (AMD/Intel iGPU, Windows or WSL) or "
+                                           "edge-vitisai (AMD XDNA NPU) in this venv")])
     try:
         facts = read_graph_facts(manifest.path)
     except Exception as exc:  # noqa: BLE001 - graph.py parsed it already; anything here is a bad graph
@@ -265,9 +264,10 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
     reference_path, reference_why = resolve_reference(manifest, facts)
     tolerance = NUMERIC_TOLERANCE.get(manifest.weight_format, DEFAULT_NUMERIC_TOLERANCE) \
         if numeric_tolerance is None else float(numeric_tolerance)
-    ledger, ledger_notes = (ledger, ()) if ledger is not None else _read_ledger()
+    ledger = ledger if ledger is not None else LedgerView()
     record = walk(devices, lambda device: _judge(device, manifest, facts, reference_path, session, host, registry,
-                                                 devices, ledger), notes=ledger_notes)
+                                                 devices, ledger),
+                  notes=tuple(f"session ledger: {warning}" for warning in ledger.warnings))
     verdicts, fallbacks, notes = tuple(record.verdicts), tuple(record.fallbacks), tuple(record.notes)
     if record.selected is None:
         why = "; ".join(f"{v.device_id}: {v.note}" for v in verdicts if v.note) or "no device was found"
@@ -297,15 +297,6 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
         reservations=budget.reservations, peak=budget.peak, capacity_bytes=budget.capacity_bytes,
         fallbacks=fallbacks, verdicts=verdicts, devices_source=devices_source, notes=notes, stage=stage,
     )
-
-
-def _read_ledger() -> tuple[LedgerView, tuple[str, ...]]:
-    """This host's ledger and the notes reading it left; an empty view when its directory is not trusted."""
-    try:
-        ledger = read_ledger()
-    except UsageError as exc:  # an untrusted ledger directory: planned as `edge plan` does, with a note
-        return LedgerView(), (f"{exc}; planned without the other sessions' reservations",)
-    return ledger, tuple(f"session ledger: {warning}" for warning in ledger.warnings)
 
 
 def _route_doc(device: Device) -> dict[str, Any]:

@@ -24,6 +24,17 @@ if TYPE_CHECKING:
     from ..devices import Device
     from ..manifest import Manifest
     from ..plans import SessionSpec
+    from ..services.registry import Registry
+
+#: What a plan made with no registry says when nothing could drive a probed device.
+NO_REGISTRY_MESSAGE = "no edge backend was handed to the planner (it was given no plugin registry)"
+
+
+def no_backend_refusal(registry: Registry | None, remedy: str) -> Refusal:
+    """``no_backend_installed``: the registry says, for its interpreter, what to install; ``remedy`` which."""
+    message = registry.install_hint() if registry is not None else NO_REGISTRY_MESSAGE
+    return Refusal(code="no_backend_installed", message=message, remedy=remedy)
+
 
 #: Which in-tree backend executes each format, for remedies that point to
 #: another virtual environment. (Only the installed backends are asked; this

@@ -3,8 +3,10 @@
 ``edge run``, ``serve``, ``accept`` and ``parity`` (and ``edge plan``, which
 stops before admission) plan through here: the devices (probed, or device
 lists saved elsewhere, :func:`find_devices`), then :func:`plan_model`, which
-counts what the other live edge sessions hold (:mod:`edge_core.services.host_ledger`)
-and, for a command that starts an engine, downloads an admitted Hub model's
+reads the model (:func:`make_plan`: the I/O the pure planner,
+:func:`edge_core.plan.plan_artifact`, does not do), counts what the other
+live edge sessions hold (:mod:`edge_core.services.host_ledger`) and, for a
+command that starts an engine, downloads an admitted Hub model's
 weights (:func:`fetch_model`) and admits the plan under the ledger's lock
 (:func:`admit`). Nothing here parses arguments; what a person should read is
 handed to ``say`` (one line, without the ``edge:`` prefix).
@@ -14,16 +16,18 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..devices import apply_mask, load_device_list
 from ..errors import ArtifactError, UsageError
+from ..host import HostFacts
 from ..plans import Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..host import HostFacts
     from ..manifest import ModelSource
     from ..plan.parallel import ParallelRequest
     from ..services.host_ledger import LedgerView
@@ -53,7 +57,6 @@ def find_devices(registry: Registry, mask: frozenset[str], device_files: tuple[s
                  backend: str | None = None, say: Say = _silent) -> FoundDevices:
     """This interpreter's devices, or the saved lists (one per host); only ``backend``'s when one is named."""
     from ..plan import only_backend
-    from ..plan.planner import load_device_sets
     from ..services.registry import discover
 
     hosts: dict[str, Any] = {}
@@ -66,6 +69,57 @@ def find_devices(registry: Registry, mask: frozenset[str], device_files: tuple[s
     for warning in registry.warnings:  # as `edge plugins` and `edge devices` say them
         say(f"warning: {warning}")
     return FoundDevices(host, only_backend(devices, backend, registry), source, hosts)
+
+
+def load_devices(path: str, registry: Registry, mask: frozenset[str] = frozenset()
+                 ) -> tuple[HostFacts | None, list[Device]]:
+    """A device list captured with ``edge devices --json`` (maybe elsewhere), masked kinds marked.
+
+    Backends installed here still apply their own gates and memory terms to
+    the devices they own in the list (so the registry is loaded); the others
+    are planned from the list alone, and the plan notes which. A malformed
+    list is a :class:`~edge_core.errors.UsageError` naming the file.
+    """
+    try:
+        devices, host_doc = load_device_list(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    cpus = [i for i, d in enumerate(devices) if d.kind == "cpu"]
+    if cpus and not host_doc:
+        raise UsageError(f"device list {path}: devices[{cpus[0]}] is a CPU ({devices[cpus[0]].device_id}) but the "
+                         "list has no 'host' section (its memory and NUMA nodes, which a CPU plan reads); save "
+                         "the whole output of `edge devices --json` on that machine")
+    registry.load()
+    return (HostFacts.from_dict(host_doc) if host_doc else None), apply_mask(devices, mask)
+
+
+def load_device_sets(paths: list[str], registry: Registry, mask: frozenset[str] = frozenset()
+                     ) -> tuple[HostFacts | None, list[Device], dict[str, HostFacts | None]]:
+    """Device lists captured on one or several hosts: ``(first host, every device, host facts by label)``.
+
+    With one list this is :func:`load_devices`. With several, each host's
+    devices are renamed ``LABEL/ID`` and carry ``extras["host"] = LABEL`` — the
+    host's name from its list (else the file's stem) — so a plan across hosts
+    says which machine each rank runs on. Two lists from one host (the same
+    label) are a usage error.
+    """
+    if len(paths) == 1:
+        host, devices = load_devices(paths[0], registry, mask)
+        return host, devices, {}
+    first: HostFacts | None = None
+    merged: list[Device] = []
+    hosts: dict[str, HostFacts | None] = {}
+    for path in paths:
+        host, devices = load_devices(path, registry, mask)
+        label = (host.hostname if host is not None and host.hostname else Path(path).stem)
+        if label in hosts:
+            raise UsageError(f"--devices {path}: a list for host {label!r} was already given; pass one list per host")
+        hosts[label] = host
+        first = first if first is not None else host
+        merged += [d.replace(device_id=f"{label}/{d.device_id}",
+                             extras={**(d.extras if isinstance(d.extras, dict) else {}), "host": label})
+                   for d in devices]
+    return first, merged, hosts
 
 
 @dataclass(frozen=True)
@@ -102,7 +156,6 @@ def plan_model(request: PlanRequest, found: FoundDevices, registry: Registry, *,
     holds, for ``edge parity``).
     """
     from ..artifact.hub import looks_like_hub_id
-    from ..plan import make_plan
 
     def plan_once(path: str, ledger: LedgerView | None, rev: str | None) -> Plan:
         return make_plan(path, session=request.session, devices=found.devices, host=found.host, registry=registry,
@@ -126,6 +179,39 @@ def plan_model(request: PlanRequest, found: FoundDevices, registry: Registry, *,
     return admit(plan_once, downloaded.path if downloaded else model, None if downloaded else revision,
                  command=request.command, requested_model=request.requested_model, wait_s=request.wait_s,
                  downloaded=downloaded)
+
+
+def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,
+              registry: Registry | None = None, devices_source: str = "probed", digest_weights: bool = False,
+              revision: str | None = None, ledger: LedgerView | None = None,
+              parallel: ParallelRequest | None = None, hosts: Mapping[str, HostFacts | None] | None = None) -> Plan:
+    """Resolve and read ``model_path`` without loading a weight, then plan it: admitted, or refused with reasons.
+
+    ``model_path`` is a directory, an ONNX file, or a Hub id (``org/name``, at
+    ``revision``), resolved by :func:`~edge_core.artifact.hub.resolve_model`;
+    the plan's ``source`` says which it was. A model that cannot be resolved
+    or read is a refused plan naming why. The other arguments are
+    :func:`edge_core.plan.plan_artifact`'s, which plans what was read.
+    """
+    from ..artifact import read_manifest
+    from ..artifact.hub import resolve_model
+    from ..plan import only_devices, plan_artifact, unreadable_artifact
+
+    if parallel is not None and parallel.device_ids:
+        only_devices(devices, parallel.device_ids)  # an unknown id is a usage error before anything is read
+    try:
+        source = resolve_model(str(model_path), revision)  # imports huggingface_hub for Hub ids only
+    except ArtifactError as exc:
+        return unreadable_artifact(str(model_path), exc, session=session, devices_source=devices_source)
+    try:
+        manifest = read_manifest(source.path, digest_weights=digest_weights)
+    except ArtifactError as exc:
+        plan = unreadable_artifact(source.path, exc, session=session, devices_source=devices_source)
+    else:
+        plan = plan_artifact(manifest, model=str(model_path), session=session, devices=devices, host=host,
+                             registry=registry, devices_source=devices_source, ledger=ledger, parallel=parallel,
+                             hosts=hosts)
+    return replace(plan, source=source)
 
 
 def admit(plan_once: PlanOnce, model: str, revision: str | None, *, command: str, requested_model: str | None,

@@ -91,6 +91,11 @@ class PluginRecord:
     def healthy(self) -> bool:
         return self.status in HEALTHY
 
+    @property
+    def skipped(self) -> bool:
+        """The user chose not to load it (blocked, or not in an allow-list)."""
+        return self.status in SKIPPED
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -279,6 +284,10 @@ class Registry:
     def plugins(self) -> list[PluginRecord]:
         """Every discovered plugin, in dispatch order."""
         return sorted(self.records.values(), key=lambda r: (r.priority, r.name))
+
+    def install_hint(self) -> str:
+        """What to tell a user whose interpreter (this registry's) has no backend at all."""
+        return install_hint()
 
     def loaded(self) -> list[PluginRecord]:
         return [r for r in self.plugins() if r.plugin is not None and r.status not in (API_MISMATCH, INVALID)]

@@ -50,8 +50,9 @@ from ..budget import LIFETIMES, Reservation
 from ..devices import EVIDENCE, POOLS, Device
 from ..hookspecs import API_VERSION, BROADCAST_HOOKS, OWNER_HOOKS
 from ..host import HostFacts, read_host
-from ..plan import candidate_order, make_plan, resolve_session
+from ..plan import candidate_order, resolve_session
 from ..plans import STAGE_ONLY_KINDS, SessionSpec
+from ..runtime.admission import make_plan
 from ..runtime.stream_run import StreamRun
 from ..services.registry import ENTRY_POINT_GROUP, HEALTHY, LOADED, Registry
 from ..stream import DeltaEvent, StageRequest, StateHandle

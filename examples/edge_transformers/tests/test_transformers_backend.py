@@ -14,8 +14,8 @@ import edge_transformers
 from edge_core.artifact import DEMO_MODEL, read_manifest
 from edge_core.errors import StageError
 from edge_core.host import HostFacts
-from edge_core.plan import make_plan
 from edge_core.plans import SessionSpec
+from edge_core.runtime.admission import make_plan
 from edge_core.services.registry import Registry
 from edge_core.stream import StageRequest
 from edge_transformers import _plan, _probe, _stage

@@ -24,8 +24,8 @@ import pytest
 import edge_cpu
 from edge_core import builds
 from edge_core.host import HostFacts
-from edge_core.plan import make_plan
 from edge_core.plans import SessionSpec
+from edge_core.runtime.admission import make_plan
 from edge_core.services.registry import Registry
 from edge_core.testing import write_fake_vllm_models
 from edge_cpu import _gates, _models, _probe, _schemes, _vllm_support

@@ -96,10 +96,9 @@ needs_vllm = pytest.mark.skipif(_pipeline.installed_vllm()[2] is None or
 def test_two_h100_hosts_refuse_pp2_for_mamba2_and_admit_it_for_llama(tmp_path):
     """Planned from the two captured 8x H100 lists with edge-cuda loaded, against the installed vLLM's classes."""
     factories = pytest.importorskip("factories", reason="the checkout's tests/factories.py is not here")
-    from edge_core.plan import make_plan
     from edge_core.plan.parallel import ParallelRequest
-    from edge_core.plan.planner import load_device_sets
     from edge_core.plans import SessionSpec
+    from edge_core.runtime.admission import load_device_sets, make_plan
     from edge_core.services.registry import Registry
 
     registry = Registry([], environ={})

@@ -19,8 +19,8 @@ from test_dml_probe import AMD, RYZEN_AI_WINDOWS, fake_winreg, make_root
 import edge_dml
 from edge_core.errors import PluginError
 from edge_core.host import HostFacts
-from edge_core.plan import make_plan
 from edge_core.plans import SessionSpec
+from edge_core.runtime.admission import make_plan
 from edge_core.runtime.graph_run import run_graph_stage
 from edge_core.services.registry import Registry
 from edge_dml import _probe

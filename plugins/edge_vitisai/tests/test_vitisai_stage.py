@@ -19,8 +19,8 @@ from test_vitisai_probe import NOTHING, RYZEN_AI, VITISAI, make_root
 import edge_vitisai
 from edge_core.cli.run import describe_stage_record
 from edge_core.host import HostFacts
-from edge_core.plan import make_plan
 from edge_core.plans import SessionSpec
+from edge_core.runtime.admission import make_plan
 from edge_core.runtime.graph_run import run_graph_stage
 from edge_core.services.registry import Registry
 from edge_vitisai import _probe
