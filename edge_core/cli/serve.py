@@ -80,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..plan.concurrency import full_context_sequences
     from ..runtime.serve import serve_plan
 
-    fit = full_context_sequences(plan)
+    fit = full_context_sequences(plan, registry)
     document = {**plan.to_dict(), "decision_time_s": round(plan_s, 4), "full_context_sequences_that_fit": fit}
     if not args.json:
         print_plan(plan, plan_s, explain=args.explain)

@@ -240,18 +240,18 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
         return DeviceOutcome(refusals=(refusal,), gate="format", notes=notes)
     mode = execution_mode(device, manifest, session, owner.registry, owner.installed)
     session = with_mode(session, mode)
-    block = device.extras.get("kv_block_size")
+    block, rules = device.extras.get("kv_block_size"), owner.rules()
     kv = estimate_kv(manifest.config, max_model_len=int(session.max_model_len or 0),
                      max_num_seqs=session.max_num_seqs, max_num_batched_tokens=session.max_num_batched_tokens,
                      kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
                      block_size=block if isinstance(block, int) else None,
                      tp_size=share.layout.tp if share else 1, layer_range=share.layers if share else None,
-                     concurrent_batches=share.layout.pp if share else 1, rules=owner.rules())
+                     concurrent_batches=share.layout.pp if share else 1, rules=rules)
     budget = backend_budget(owner, core_reservations(device, manifest, session, kv, share), manifest=manifest,
                             session=session, host=host, devices=devices or (), share=share)
     terms, total, capacity = list(budget.reservations), budget.peak, budget.capacity_bytes
     gate, refusals = budget_gates(device, budget, ledger, lambda: capacity_refusal(
-        device, manifest, session, kv, terms, total, capacity or 0, budget.how))
+        device, manifest, session, kv, terms, total, capacity or 0, budget.how, rules))
     if gate is None and capacity is None:
         notes += (f"{device.device_id}: pool capacity unknown (a device list without host facts); capacity not "
                   "checked",)

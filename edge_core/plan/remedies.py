@@ -22,6 +22,7 @@ from .terms import SAFETY_MARGIN_FRACTION
 if TYPE_CHECKING:
     from ..budget import KVEstimate, Peak, Reservation
     from ..devices import Device
+    from ..engine import EngineRules
     from ..manifest import Manifest
     from ..plans import SessionSpec
     from ..services.registry import Registry
@@ -98,11 +99,11 @@ def admission_with_kv(terms: list[Reservation], pool: str, kv_bytes: int) -> int
 
 
 def largest_fitting_len(manifest: Manifest, session: SessionSpec, kv: KVEstimate, terms: list[Reservation],
-                        pool: str, capacity: int) -> int:
+                        pool: str, capacity: int, rules: EngineRules) -> int:
     """The largest ``max_model_len`` whose whole admission budget fits ``capacity`` (0 if none).
 
-    A bisection over the same arithmetic the plan uses (KV by vLLM's rule,
-    peak, headroom), so replanning with the answer is admitted.
+    A bisection over the same arithmetic the plan uses (KV by the engine's
+    ``rules``, peak, headroom), so replanning with the answer is admitted.
     """
 
     def fits(tokens: int) -> bool:
@@ -110,16 +111,16 @@ def largest_fitting_len(manifest: Manifest, session: SessionSpec, kv: KVEstimate
                                max_num_batched_tokens=min(session.max_num_batched_tokens or tokens, tokens),
                                kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
                                block_size=kv.block_size, tp_size=kv.tp_size, layer_range=kv.layer_range,
-                               concurrent_batches=kv.concurrent_batches).bytes_vllm
+                               concurrent_batches=kv.concurrent_batches, rules=rules).bytes_vllm
         return admission_with_kv(terms, pool, kv_bytes) <= capacity
 
     return largest_fitting(fits, int(session.max_model_len or 0))
 
 
 def capacity_refusal(device: Device, manifest: Manifest, session: SessionSpec, kv: KVEstimate,
-                     terms: list[Reservation], peak: Peak, capacity: int, how: str) -> Refusal:
+                     terms: list[Reservation], peak: Peak, capacity: int, how: str, rules: EngineRules) -> Refusal:
     """``budget_exceeds_device``, with the context that would fit (or why nothing does)."""
-    fits = largest_fitting_len(manifest, session, kv, terms, device.memory_pool, capacity)
+    fits = largest_fitting_len(manifest, session, kv, terms, device.memory_pool, capacity, rules)
     weights = manifest.weight_bytes
     if fits:
         remedy = (f"--max-model-len {fits} fits ({capacity / 2**30:.1f} GiB {how}); or use a smaller or "
