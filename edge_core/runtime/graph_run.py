@@ -1,19 +1,21 @@
 """Did the graph stage really run on its device, with the right numbers? Run it once and measure.
 
-:func:`run_graph_stage` starts an admitted graph-stage plan through the owning
-backend's ``start_stage`` / ``stream`` / ``cancel`` / ``stop_stage``, runs it
-once on sample inputs, then reads the *profiled* placement (ONNX Runtime's
-per-node profile: listing a provider proves nothing) and the numeric gate
-(outputs against a CPU reference within a per-format tolerance,
-:func:`compare_outputs`). Either failing is a refusal in the record,
-``execution_provider_declined_graph`` or ``numeric_gate_failed``, the latter
-constraining this artifact only. While it runs the stage holds its bytes in
-the host-wide ledger (:mod:`edge_core.services.host_ledger`), where ``edge ps``, the
-next stage planned in this process and every other edge process see them.
+:func:`run_graph_stage` starts an admitted graph-stage plan the way every stage
+starts, through :class:`~edge_core.runtime.session.StageSession` (no reaper or
+sampler: the stage runs in this process), runs it once on sample inputs, then
+reads the *profiled* placement (ONNX Runtime's per-node profile: listing a
+provider proves nothing) and the numeric gate (outputs against a CPU
+reference within a per-format tolerance, :func:`compare_outputs`). Either
+failing is a refusal in the record, ``execution_provider_declined_graph`` or
+``numeric_gate_failed``, the latter constraining this artifact only. While it
+runs the stage holds its bytes in the host-wide ledger
+(:mod:`edge_core.services.host_ledger`), where ``edge ps``, the next stage
+planned in this process and every other edge process see them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import EdgeError, StageError, UsageError
+from ..errors import PluginError, StageError, UsageError
 from ..plan.graph_stage import DEFAULT_NUMERIC_TOLERANCE, EXPORT_SCRIPT
 from ..plan.ledger import STAGE_COMMAND, check_committed, ledger_bytes
 from ..plans import Refusal
@@ -30,6 +32,7 @@ from ..services import host_ledger
 from ..stream import StageRequest
 from . import ort_stage
 from .measure import read_pss_bytes
+from .session import StageSession
 from .stream_run import StreamRun
 
 if TYPE_CHECKING:
@@ -161,8 +164,9 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
                     idle_timeout_s: float = 600.0) -> dict[str, Any]:
     """Run an admitted graph-stage plan once and return the placement and numeric-gate record.
 
-    Goes through the owning backend's hooks (``start_stage``, ``stream``,
-    ``cancel``, ``stop_stage``) and the core's :class:`~edge_core.runtime.stream_run.StreamRun`.
+    Starts and stops the stage through :class:`~edge_core.runtime.session.StageSession`
+    and runs it through the backend's ``stream`` / ``cancel`` and the core's
+    :class:`~edge_core.runtime.stream_run.StreamRun`.
     ``inputs`` default to deterministic samples (``seed``) shaped by the graph.
     ``executor_providers`` replaces the providers the session runs with while
     the placement target stays the route's provider (a stand-in: the record
@@ -201,41 +205,40 @@ def run_graph_stage(plan: GraphStagePlan, registry: Registry, *, inputs: Mapping
     record["ledger_record"] = {"session_id": held.session_id, "command": held.command,
                                "reserved_bytes": dict(held.reserved_bytes), "directory": str(holder.directory)}
     footprint = _Footprint(holder, own=session is None)
-    timings: dict[str, float] = {}
-    handle = None
-    try:
-        started = time.perf_counter()
+    stage = StageSession(plan, registry, watches=False, ledger=holder, releases_ledger=session is None,
+                         keeps_stop_error=True)
+    with contextlib.ExitStack() as running:
         try:
-            handle = registry.call_owner(device, "start_stage", plan=plan)
-        except EdgeError as exc:  # a graph ONNX Runtime cannot load: a refusal, not a crash
+            running.enter_context(stage)
+        except PluginError as exc:  # a graph ONNX Runtime cannot load: a refusal, not a crash
             record["refusals"] = [_refusal_dict(
                 "artifact_invalid", device.device_id, f"the stage did not start: {exc}", _reexport(plan))]
             return record
-        timings["start_s"] = time.perf_counter() - started
-        footprint.read("running")
-        if handle is None:
-            raise StageError(f"plugin {device.plugin!r} returned no stage from start_stage for {device.device_id}")
-        feeds = _feeds(handle, inputs, seed, stage_info, plan)
-        outputs = _run_once(registry, device, handle, feeds, idle_timeout_s, record, timings)
-        footprint.read()
-        record["stage"] = handle.to_dict() if hasattr(handle, "to_dict") else {}
-        record["stage"].pop("placement", None)  # profiled placement is the record's own section
-        refusals = _placement_refusals(handle, plan, target, stage_info, record)
-        refusals += _numeric_refusals(plan, stage_info, feeds, outputs, record, timings, footprint)
-        record["refusals"] = refusals
-        record["passed"] = record["placed"] and record["numeric_gate"]["passed"]
-        record["memory"] = footprint.to_dict(plan)
-        record["timings_s"] = {k: round(v, 4) for k, v in timings.items()}
-        return record
-    finally:
-        if handle is not None:
-            try:
-                record["stopped"] = bool(registry.call_owner(device, "stop_stage", stage=handle))
-            except EdgeError as exc:
-                record["stopped"] = False
-                record["stop_error"] = str(exc)
-        if session is None:
-            holder.remove()
+        _judge(plan, stage, record, footprint, inputs=inputs, seed=seed, idle_timeout_s=idle_timeout_s)
+    record["stopped"] = bool(stage.stop_answer)
+    if stage.stop_error is not None:
+        record["stop_error"] = str(stage.stop_error)
+    return record
+
+
+def _judge(plan: GraphStagePlan, stage: StageSession, record: dict[str, Any], footprint: _Footprint, *,
+           inputs: Mapping[str, Any] | None, seed: int, idle_timeout_s: float) -> None:
+    """The started stage run once, then its placement and numeric gates, into ``record``."""
+    stage_info = dict(plan.stage or {})
+    timings = {"start_s": stage.start_s}
+    footprint.read()
+    handle = stage.stage
+    feeds = _feeds(handle, inputs, seed, stage_info, plan)
+    outputs = _run_once(stage.registry, stage.device, handle, feeds, idle_timeout_s, record, timings)
+    footprint.read()
+    record["stage"] = handle.to_dict() if hasattr(handle, "to_dict") else {}
+    record["stage"].pop("placement", None)  # profiled placement is the record's own section
+    refusals = _placement_refusals(handle, plan, stage_info.get("target_provider"), stage_info, record)
+    refusals += _numeric_refusals(plan, stage_info, feeds, outputs, record, timings, footprint)
+    record["refusals"] = refusals
+    record["passed"] = record["placed"] and record["numeric_gate"]["passed"]
+    record["memory"] = footprint.to_dict(plan)
+    record["timings_s"] = {k: round(v, 4) for k, v in timings.items()}
 
 
 def _reexport(plan: GraphStagePlan) -> str:
@@ -281,16 +284,13 @@ class _Footprint:
         self.before = _pss()
         self.reads: list[int | None] = []
 
-    def read(self, state: str | None = None) -> int | None:
+    def read(self) -> int | None:
         pss = _pss()
         self.reads.append(pss)
-        changes: dict[str, Any] = {"state": state} if state else {}
         if self.own and pss is not None and self.before is not None:
             grown = max(pss - self.before, 0)
-            changes.update(measured_current_bytes=grown,
-                           measured_peak_bytes=max(grown, self.holder.record.measured_peak_bytes))
-        if changes:
-            self.holder.update(**changes)
+            self.holder.update(measured_current_bytes=grown,
+                               measured_peak_bytes=max(grown, self.holder.record.measured_peak_bytes))
         return pss
 
     def to_dict(self, plan: GraphStagePlan) -> dict[str, Any]:

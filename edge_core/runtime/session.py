@@ -1,9 +1,13 @@
 """What happens when an admitted plan runs: one stage, its requests, and its memory, sampled.
 
-:class:`StageSession` is the one code path every command that starts an engine
+:class:`StageSession` is the one code path every command that starts a stage
 goes through (``edge run``, ``edge accept``, the edge half of ``edge parity``,
-and ``edge serve``, whose server starts the engine itself: ``starts_stage=False``
-skips step 4):
+``edge serve``, whose server starts the engine itself: ``starts_stage=False``
+skips step 4, and a graph stage run in this process,
+:func:`~edge_core.runtime.graph_run.run_graph_stage`: ``watches=False`` skips
+steps 2 and 3). Each step pushes its undo onto one
+:class:`contextlib.ExitStack`, so every exit (an error, Ctrl-C, a start that
+fails) unwinds the same steps in reverse:
 
 1. the owning backend's ``prepare_stage`` (vLLM CPU grows its NUMA node),
    before the memory baseline (step 3);
@@ -16,10 +20,12 @@ skips step 4):
    device counter when it has one (``memory_counter``);
 4. ``start_stage`` with SIGTERM and SIGHUP routed through the Ctrl-C path, so
    every way of stopping edge that edge can see cancels, stops and reports;
+   then the host ledger's record says ``running``;
 5. requests through :class:`Consumer` (the core's bounded, fenced
    :class:`~edge_core.runtime.stream_run.StreamRun`), timed;
-6. ``stop_stage`` with Ctrl-C held off, the reaper ended, then the budget against every counter
-   it covers (:func:`memory_record`).
+6. ``stop_stage`` with Ctrl-C held off, the sampler and the reaper ended, a
+   ledger record the session held for itself removed; then the budget against
+   every counter it covers (:func:`memory_record`).
 
 :func:`run_session` is ``edge run``'s use of it: one request, streamed,
 cancelled cleanly on Ctrl-C. Nothing here prints: progress goes to an
@@ -38,7 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import StageError
+from ..errors import EdgeError, StageError
 from ..services.host_ledger import set_state
 from .env import versions
 from .logs import EngineLog
@@ -49,6 +55,7 @@ from .stream_run import StreamRun
 if TYPE_CHECKING:
     from ..devices import Device
     from ..plans import Plan
+    from ..services.host_ledger import Registration
     from ..services.registry import Registry
     from ..stream import CancelReport, DeltaEvent, StageRequest
     from .measure import MemoryReport
@@ -282,21 +289,32 @@ def memory_record(plan: Plan, report: MemoryReport) -> dict[str, Any]:
 class StageSession:
     """One admitted plan's stage, started and its memory sampled; use as a context manager.
 
-    Entering prepares the device (``prepare_stage``), starts the session's
-    reaper, takes the memory baseline before any runtime is imported, starts
-    the sampler and the stage; leaving stops the stage (Ctrl-C held off: an
-    interrupted stop would leave engine processes behind), the reaper and the
-    sampler. SIGTERM/SIGHUP inside the block arrive as KeyboardInterrupt; a
-    SIGKILL of this process is the reaper's to clean up. ``memory()`` is the
-    budget against what the sampler read, after leaving; ``engine_processes()``
-    the session's live engine processes, while it runs. ``starts_stage=False``
-    does everything but start and stop the stage, for a caller whose engine is
-    started another way (``edge serve``'s server).
+    Entering runs the start sequence, each step pushing its undo onto one
+    :class:`contextlib.ExitStack`: the engine log named, the device prepared
+    (``prepare_stage``), the session's reaper started, the memory baseline taken
+    before any runtime is imported and the sampler started, SIGTERM/SIGHUP
+    routed through Ctrl-C, the stage started and its host-ledger record marked
+    ``running``. Leaving (or a start that fails or is interrupted) unwinds the
+    stack in reverse: the stage stopped with Ctrl-C held off (an interrupted stop
+    would leave engine processes behind), the signals restored, the sampler and
+    the reaper stopped, a record the session holds for itself removed, a clean
+    session's log deleted. A SIGKILL of this process is the reaper's to clean up.
+    ``memory()`` is the budget against what the sampler read, after leaving;
+    ``engine_processes()`` the session's live engine processes, while it runs.
+
+    Options for callers whose stage differs: ``starts_stage=False`` does
+    everything but start and stop the stage (``edge serve``'s server starts its
+    own engine); ``watches=False`` skips the reaper and the sampler (a graph
+    stage runs in this process and reads its own PSS); ``ledger`` is the
+    registration to mark instead of this process's session, removed on leaving
+    when ``releases_ledger``; ``keeps_stop_error`` records a failed stop in
+    ``stop_error`` instead of raising it.
     """
 
     def __init__(self, plan: Plan, registry: Registry, observer: Observer | None = None, *,
                  node_prep: Any = None, prepared: bool = False, engine_log: EngineLog | None = None,
-                 keep_log: bool = False, starts_stage: bool = True):
+                 keep_log: bool = False, starts_stage: bool = True, watches: bool = True,
+                 ledger: Registration | None = None, releases_ledger: bool = False, keeps_stop_error: bool = False):
         if not plan.admitted or plan.selected_device is None:
             raise StageError("a stage starts only from an admitted plan; run `edge plan` to see why it was refused")
         self.plan = plan
@@ -306,98 +324,125 @@ class StageSession:
         self.node_prep = node_prep
         self._prepared = prepared
         self._starts_stage = starts_stage
+        self._watches = watches
+        self.ledger = ledger
+        self._releases_ledger = releases_ledger
+        self._keeps_stop_error = keeps_stop_error
         self.stage: Any = None
         self.stage_pids: tuple[int, ...] = ()
         self.start_s = 0.0
         self.stop_s = 0.0
         self.stop_answer: Any = None
+        #: The backend's error from ``stop_stage``, kept when ``keeps_stop_error`` (else it is raised).
+        self.stop_error: EdgeError | None = None
         #: The backend's device memory counter (``memory_counter``), None when it has none.
         self.counter: Any = None
         self.sampler: ProcessTreeSampler | None = None
         self._report: MemoryReport | None = None
-        self._signals = TerminationAsInterrupt()
         #: Marks the session's processes and ends them if this process dies without stopping the stage.
         self.reaper = SessionReaper()
         #: Where the engine's own output goes (None: wherever it goes by default, the terminal).
         self.engine_log = engine_log
         self._keep_log = keep_log or (engine_log is not None and engine_log.path is None)
-        self._failed = False
+        self._undo: contextlib.ExitStack | None = None
 
     def __enter__(self) -> StageSession:
-        (self.engine_log or EngineLog(None)).export()  # never a previous session's log
-        if self.engine_log is not None and self.engine_log.path is not None:
-            self.observer.message(f"engine log: {self.engine_log.path}")
-        if not self._prepared:
-            self.node_prep = prepare_stage(self.registry, self.plan, self.observer)
-        self._watch()
-        if self._starts_stage:
-            with contextlib.ExitStack() as undo:
-                undo.push(self.__exit__)  # a start that fails or is interrupted is left as a session is
+        with contextlib.ExitStack() as undo:  # a start that fails or is interrupted is unwound as a session is
+            undo.push(self._settle_log)
+            (self.engine_log or EngineLog(None)).export()  # never a previous session's log
+            if self.engine_log is not None and self.engine_log.path is not None:
+                self.observer.message(f"engine log: {self.engine_log.path}")
+            if self.ledger is not None and self._releases_ledger:
+                undo.callback(self.ledger.remove)
+            if not self._prepared:
+                self.node_prep = prepare_stage(self.registry, self.plan, self.observer)
+            if self._watches:
+                self._watch(undo)
+            if self._starts_stage:
+                undo.enter_context(TerminationAsInterrupt())
+                undo.callback(self._stop)
                 self._start()
-                undo.pop_all()
+            self._undo = undo.pop_all()
         return self
 
-    def _watch(self) -> None:
-        """Start the reaper, then take the memory baseline and start the sampler (the reaper ended if that fails)."""
-        with contextlib.ExitStack() as undo:
-            undo.enter_context(self.reaper)  # before the baseline: its own few MiB are not the engine's
-            if not self.reaper.watching:
-                self.observer.message("WARNING: the session's reaper did not start: if edge is killed without a "
-                                      "chance to stop (kill -9, the OOM killer), its engine processes will outlive it")
-            counter = self.counter = self.registry.call_owner(self.device, "memory_counter")
-            self.sampler = ProcessTreeSampler(
-                os.getpid(), DEFAULT_PERIOD_S,
-                device_counter=counter.read if counter is not None else None,
-                device_source=counter.source if counter is not None else "none")
-            self.sampler.baseline()  # before the runtime is imported: everything above it is the session's
-            self.sampler.start()
-            undo.pop_all()
+    def _watch(self, undo: contextlib.ExitStack) -> None:
+        """Start the reaper, then take the memory baseline and start the sampler."""
+        undo.enter_context(self.reaper)  # before the baseline: its own few MiB are not the engine's
+        if not self.reaper.watching:
+            self.observer.message("WARNING: the session's reaper did not start: if edge is killed without a "
+                                  "chance to stop (kill -9, the OOM killer), its engine processes will outlive it")
+        counter = self.counter = self.registry.call_owner(self.device, "memory_counter")
+        self.sampler = ProcessTreeSampler(
+            os.getpid(), DEFAULT_PERIOD_S,
+            device_counter=counter.read if counter is not None else None,
+            device_source=counter.source if counter is not None else "none")
+        self.sampler.baseline()  # before the runtime is imported: everything above it is the session's
+        self.sampler.start()
+        undo.callback(self._stop_sampler)
 
     def _start(self) -> None:
-        """``start_stage`` with SIGTERM/SIGHUP routed through Ctrl-C; the ledger record says the engine is up."""
-        self._signals.__enter__()
+        """``start_stage``, timed; then the host ledger's record (``edge ps``) says the stage is up."""
         with self.observer.step(f"starting {self.device.backend} on {self.device.device_id} "
                                 "(plan's engine arguments, nothing else)"):
             started = time.perf_counter()
             self.stage = self.registry.call_owner(self.device, "start_stage", plan=self.plan)
             self.start_s = time.perf_counter() - started
         if self.stage is None:
+            owner = self.registry.owner(self.device)
+            if owner is not None and "start_stage" in owner.hooks:
+                raise StageError(f"plugin {self.device.plugin!r} returned no stage from start_stage for "
+                                 f"{self.device.device_id}")
             raise StageError(f"the backend that owns {self.device.device_id} ({self.device.plugin}) does not "
                              "implement start_stage; it can plan but not run")
         self.stage_pids = tuple(getattr(self.stage, "stage_pids", ()))
-        set_state("running")  # the host ledger's record (edge ps): the engine is up
+        if self.ledger is not None:
+            self.ledger.update(state="running")
+        else:
+            set_state("running")  # this process's session record
 
     def request(self, request: StageRequest) -> Consumer:
         """Submit ``request``; iterate (or ``drain()``) the returned consumer for its events."""
         return Consumer(self.registry, self.device, self.stage, request)
 
-    def __exit__(self, exc_type: object = None, *exc: object) -> None:
-        if exc_type is not None and exc_type is not KeyboardInterrupt:
-            self._failed = True
+    def __exit__(self, *exc: Any) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo.__exit__(*exc)
+
+    def _stop(self) -> None:
+        """``stop_stage`` with Ctrl-C held off: an interrupted stop would leave engine processes behind."""
+        if self.stage is None or self.stop_answer is not None:
+            return
+        started = time.perf_counter()
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
-            if self.stage is not None and self.stop_answer is None:
-                started = time.perf_counter()
-                main = threading.current_thread() is threading.main_thread()
-                previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-                try:
-                    self.stop_answer = self.registry.call_owner(self.device, "stop_stage", stage=self.stage)
-                finally:
-                    if main:
-                        signal.signal(signal.SIGINT, previous)
-                self.stop_s = time.perf_counter() - started
+            self.stop_answer = self.registry.call_owner(self.device, "stop_stage", stage=self.stage)
+        except EdgeError as exc:
+            if not self._keeps_stop_error:
+                raise
+            self.stop_error = exc
         finally:
-            if self.sampler is not None and self._report is None:
-                self.sampler.stop()
-                self._report = self.sampler.report()
-            self.reaper.__exit__()
-            self._signals.__exit__()
-            if self.engine_log is not None and not self._failed and not self._keep_log and self.stop_answer:
-                self.engine_log.remove()  # a clean session's log says nothing anyone needs
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        self.stop_s = time.perf_counter() - started
+
+    def _stop_sampler(self) -> None:
+        if self.sampler is not None and self._report is None:
+            self.sampler.stop()
+            self._report = self.sampler.report()
+
+    def _settle_log(self, exc_type: Any, *exc: Any) -> None:
+        """Delete the engine log of a session that stopped cleanly: it says nothing anyone needs."""
+        failed = exc_type is not None and exc_type is not KeyboardInterrupt
+        if self.engine_log is not None and not failed and not self._keep_log and self.stop_answer:
+            self.engine_log.remove()
 
     def memory(self) -> dict[str, Any]:
         """The budget against every counter, from the samples taken while the session lived."""
         if self._report is None:
-            raise StageError("the session's memory is read after it has stopped")
+            raise StageError("the session's memory is read after it has stopped" if self._watches else
+                             "this session did not sample memory (watches=False)")
         return memory_record(self.plan, self._report)
 
     @property
