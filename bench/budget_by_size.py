@@ -201,10 +201,10 @@ def run_once(edge: str, model: Path, max_tokens: int, period: float = 0.25) -> d
     (model / "last_run.json").write_text(proc.stdout)
     (model / "last_samples.json").write_text(json.dumps({"t0_wall": sampler.t0_wall, "samples": sampler.samples}))
     mem, plan = rec["memory"], rec["plan"]
-    from edge_core.budget import Reservation, peak
+    from edge_core.budget import Reservation, combine
 
     terms = [Reservation(**r) for r in plan["reservations"]]
-    p = peak(terms, "host_ram")
+    p = combine(terms, "host_ram")
     return {"wall_s": round(wall, 1), "predicted": mem["predicted_peak_bytes"],
             "load_path": p.load_path_bytes, "steady": p.steady_state_bytes,
             "measured": mem["measured_attributable_bytes"], "ratio": mem["ratio"],

@@ -105,7 +105,7 @@ class Peak:
         }
 
 
-def peak(reservations: Iterable[Reservation], pool: str) -> Peak:
+def combine(reservations: Iterable[Reservation], pool: str) -> Peak:
     """Combine the terms of one pool.
 
     Load path = ``load`` terms + weights + terms ``held_during_load`` (the

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # imported for annotations only: the core stays cheap to impo
     from .host import HostFacts
     from .manifest import Manifest
     from .plans import DeviceShare, ExecutionMode, Plan, Refusal, SessionSpec
-    from .serving import ServerHandle, ServerOptions
+    from .server import ServerHandle, ServerOptions
     from .stream import DeltaEvent, StageRequest
 
 PROJECT = "edge"
@@ -254,7 +254,7 @@ def start_server(device: Device, plan: Plan, options: ServerOptions) -> ServerHa
     and nothing else, serves on ``options.sock`` (already bound) with
     ``options.routes`` added as GET endpoints, calls ``options.on_ready(url)``
     once ``/health`` answers, and returns a
-    :class:`~edge_core.serving.ServerReport` after SIGTERM or SIGINT: stop
+    :class:`~edge_core.server.ServerReport` after SIGTERM or SIGINT: stop
     accepting, let in-flight requests finish for ``options.drain_timeout_s``,
     abort the rest, reap every engine process. A second signal forces the
     stop. Optional; owning backend only (no answer: ``serve_unsupported``).

@@ -107,7 +107,7 @@ def run_one(entry: Any, scratch: Path, kv_bytes: int, timeout: int) -> dict[str,
     dtype = entry.config.get("torch_dtype") or text.get("torch_dtype")
     settings = {**ref.session_for(entry), "kv_cache_memory_bytes": kv_bytes, "tokens": ref.REFERENCE_TOKENS}
     if dtype in ("bfloat16", "float16", "float32"):
-        settings["dtype"] = dtype  # as edge passes it (plan/checkpoint.py engine_kwargs_for)
+        settings["dtype"] = dtype  # as edge passes it (plan/decode.py engine_kwargs_for)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)

@@ -209,7 +209,7 @@ def test_a_forced_stop_of_the_server_names_what_it_killed(tmp_path):
         from edge_core.cli import build_parser
         from edge_core.cli.plan import plan_from_args
         from edge_core.runtime.vllm_server import VllmServer
-        from edge_core.serving import ServerOptions
+        from edge_core.server import ServerOptions
 
         plan, registry = plan_from_args(build_parser().parse_args(["plan"]))
         engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])

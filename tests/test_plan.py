@@ -9,7 +9,7 @@ import pytest
 from factories import KNOWN_CONFIGS, llama_like_tensors, quantize_tensors, quantized_config, write_checkpoint
 
 from edge_core.artifact import read_manifest
-from edge_core.budget import peak
+from edge_core.budget import combine
 from edge_core.devices import load_device_list
 from edge_core.host import HostFacts, read_host
 from edge_core.plan import candidate_order
@@ -89,7 +89,7 @@ def test_peak_is_a_max_of_load_path_and_steady_state_not_a_sum():
         Reservation("runtime", 2, "vram", "session", "E", held_during_load=True),
         Reservation("external_reserve", 3, "vram", "session", "E", headroom=True),
     ]
-    result = peak(terms, "vram")
+    result = combine(terms, "vram")
     assert result.load_path_bytes == 10 + 8 + 2
     assert result.steady_state_bytes == 10 + 5 + 2
     assert result.predicted_bytes == 20 and result.admission_bytes == 23
@@ -356,7 +356,7 @@ def test_a_budget_refusal_keeps_the_devices_reservations_peak_kv_and_capacity(re
     expected = expected_kv_70b(8192)
     assert cpu.kv.bytes_vllm == expected.bytes_vllm == terms["kv_cache"].bytes
     assert cpu.kv.bytes_flat == expected.bytes_flat
-    assert cpu.peak == peak(cpu.reservations, "host_ram")
+    assert cpu.peak == combine(cpu.reservations, "host_ram")
     assert cpu.capacity_bytes == host.usable_bytes == 23 * GIB
     assert cpu.peak.admission_bytes > cpu.capacity_bytes
     assert cpu.refusals[0].details["needed_bytes"] == cpu.peak.admission_bytes
@@ -466,7 +466,7 @@ def test_backend_gate_refusal_keeps_the_budget_it_was_refused_on(monkeypatch):
     [row] = [v for v in plan.verdicts if v.device_id == "cpu"]
     assert row.gate == "backend" and [r.code for r in row.refusals] == ["kernel_unsupported"]
     assert {"weights", "kv_cache", "runtime_baseline", "safety_margin"} <= {t.purpose for t in row.reservations}
-    assert row.peak == peak(row.reservations, "host_ram") and row.kv is not None
+    assert row.peak == combine(row.reservations, "host_ram") and row.kv is not None
 
 
 def test_run_accept_and_parity_render_their_refused_plan_as_explain_asks(llama70b, small_host_list, capsys,

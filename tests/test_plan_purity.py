@@ -60,7 +60,7 @@ KNOWN_IO = sorted([
     "graph_stage.py: os.path.realpath",
     "graph_stage.py: os.path.realpath",
     # A device_committed remedy tells this process's own graph stages from other sessions' records.
-    "ledger.py: os.getpid",
+    "committed.py: os.getpid",
 ])
 
 

@@ -297,7 +297,7 @@ def fake_server_backend(calls: list) -> object:
     import types
 
     from edge_core import Device, hookimpl
-    from edge_core.serving import ServerReport
+    from edge_core.server import ServerReport
 
     module = types.ModuleType("edge_fake_server")
     module.EDGE_API_VERSION = 1

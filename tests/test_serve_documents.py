@@ -34,7 +34,7 @@ def free_port() -> int:
 def answering_backend() -> types.ModuleType:
     """A backend whose server answers one GET of each of :data:`PATHS` from the core's routes, then stops."""
     from edge_core import Device, hookimpl
-    from edge_core.serving import ServerReport
+    from edge_core.server import ServerReport
 
     module = types.ModuleType("edge_answering_server")
     module.EDGE_API_VERSION = 1
@@ -171,7 +171,7 @@ def test_edge_routes_are_behind_the_api_key(key, headers, query, status):
     from fastapi.testclient import TestClient
 
     from edge_core.runtime.vllm_server import VllmServer
-    from edge_core.serving import ServerOptions
+    from edge_core.server import ServerOptions
 
     server = VllmServer.__new__(VllmServer)  # only the routes: no plan, no engine
     server.options = ServerOptions(host="127.0.0.1", port=0, served_model_name="demo", sock=None, api_key=key,

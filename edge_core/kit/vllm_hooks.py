@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..plans import DeviceShare, Plan, Refusal
     from ..runtime.vllm_server import VllmServer
     from ..runtime.vllm_stage import VllmStage
-    from ..serving import ServerOptions
+    from ..server import ServerOptions
     from ..stream import DeltaEvent, StageRequest
 
 __all__ = ["architectures", "cancel", "engine_rules", "pipeline_refusals", "reference_token_ids", "start_server", "start_stage",

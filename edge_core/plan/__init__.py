@@ -8,10 +8,10 @@ arguments, or refused with a :class:`~edge_core.plans.Refusal` per reason, each 
 that is never applied silently.
 
 The answer's types are the contract's (:mod:`edge_core.plans`). Modules: :mod:`.planner` (the entry),
-:mod:`.checkpoint` (a whole decode session), :mod:`.graph_stage` (one
+:mod:`.decode` (a whole decode session), :mod:`.graph_stage` (one
 exported-graph stage), :mod:`.kv` (KV-cache arithmetic), :mod:`.terms` (the
 core's memory terms), :mod:`.capacity` (what admission checks against),
-:mod:`.remedies`, :mod:`.ledger` (what live sessions on this host already hold),
+:mod:`.remedies`, :mod:`.committed` (what live sessions on this host already hold),
 :mod:`.execution` (eager or compiled: the user's flag, else the backend's default).
 
 Backends take the types they are handed from the contract, so nothing on the
@@ -19,7 +19,7 @@ way to ``edge devices`` imports this package; ``edge plan`` needs all of it.
 """
 
 from .capacity import capacity_of
-from .checkpoint import DEFAULT_MAX_NUM_BATCHED_TOKENS, engine_kwargs_for, resolve_session
+from .decode import DEFAULT_MAX_NUM_BATCHED_TOKENS, engine_kwargs_for, resolve_session
 from .gates import candidate_order
 from .graph_stage import executes_graphs, plan_graph_stage
 from .kv import estimate_kv, kv_layout, max_model_len_for

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..budget import peak as combine
+from ..budget import combine
 from ..engines.vllm import VLLM_RULES
 from .capacity import capacity_of
-from .ledger import check_committed, pool_key, with_holders
+from .committed import check_committed, pool_key, with_holders
 from .remedies import format_refusal
 from .terms import headroom_reservations
 

@@ -8,7 +8,7 @@ interpreter here drives it is ``device_unreachable_from_this_process``, naming
 the route and interpreter that would), *format* (the graph's scheme against
 the formats of the route that resolved), the backend's own gates, and
 *capacity*: the host pool, less what the live edge sessions and stages on this
-host hold and it does not show yet (the host-wide ledger, :mod:`.ledger`).
+host hold and it does not show yet (the host-wide ledger, :mod:`.committed`).
 Whether the stage then really ran on its device, and with the right numbers,
 is checked after its first run (:mod:`edge_core.runtime.graph_run`); the
 thresholds it is judged by are decided here and travel in ``plan.stage``.
@@ -29,8 +29,8 @@ from ..errors import UsageError
 from ..plans import STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
 from ..routes import INTERPRETER_NAMES, resolved_of, statuses_of
 from ..services.host_ledger import HOST_POOL, LedgerView
+from .committed import holder_dicts
 from .gates import Judgement, Owner, backend_budget, budget_gates, format_gate, walk
-from .ledger import holder_dicts
 from .remedies import no_backend_refusal
 
 if TYPE_CHECKING:

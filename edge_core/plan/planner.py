@@ -2,7 +2,7 @@
 
 :func:`plan_artifact` is the one entry for every command that plans (``plan``,
 ``run``, ``accept``, ``parity``): a checkpoint goes to
-:func:`~edge_core.plan.checkpoint.plan_checkpoint` (and a layout across
+:func:`~edge_core.plan.decode.plan_checkpoint` (and a layout across
 devices to :mod:`.parallel`), an exported graph to
 :func:`~edge_core.plan.graph_stage.plan_graph_stage`. It is handed the
 manifest, the devices and the ledger view; resolving a Hub id, reading the
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 from ..plans import Plan, Refusal, SessionSpec
-from .checkpoint import plan_checkpoint
+from .decode import plan_checkpoint
 from .parallel import ParallelRequest, plan_parallel
 
 if TYPE_CHECKING:

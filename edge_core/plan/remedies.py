@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..artifact.formats import UNKNOWN_FORMAT_PREFIX
-from ..budget import peak as combine
+from ..budget import combine
 from ..plans import Refusal
 from .kv import estimate_kv, largest_fitting
 from .terms import SAFETY_MARGIN_FRACTION

@@ -217,7 +217,7 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], h
 def admit(plan_once: PlanOnce, model: str, revision: str | None, *, command: str, requested_model: str | None,
           wait_s: float = 0.0, downloaded: ModelSource | None = None) -> Plan:
     """Plan under the host ledger's lock and register an admitted plan; wait up to ``wait_s`` for other sessions."""
-    from ..plan.ledger import ledger_bytes
+    from ..plan.committed import ledger_bytes
     from ..services.host_ledger import admission
 
     deadline = time.monotonic() + float(wait_s or 0)

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PluginError, StageError, UsageError
+from ..plan.committed import STAGE_COMMAND, check_committed, ledger_bytes
 from ..plan.graph_stage import DEFAULT_NUMERIC_TOLERANCE, EXPORT_SCRIPT
-from ..plan.ledger import STAGE_COMMAND, check_committed, ledger_bytes
 from ..plans import Refusal
 from ..services import host_ledger
 from ..stream import StageRequest

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StageError, UsageError
 from ..page import PAGE_PATH, live_page
+from ..server import ServerOptions
 from ..services.host_ledger import set_state
-from ..serving import ServerOptions
 from .documents import enveloped
 from .env import versions
 from .logs import EngineLog

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ..errors import StageError
+from ..server import ServerOptions, ServerReport
 from ..services.host_ledger import current
-from ..serving import ServerOptions, ServerReport
 from . import reaper
 from .env import apply_runtime_env
 from .logs import EngineLog

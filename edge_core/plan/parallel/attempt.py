@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...plans import DeviceShare, Layout, Refusal
-from ..checkpoint import DeviceOutcome, plan_on_device
-from ..ledger import pool_key
+from ..committed import pool_key
+from ..decode import DeviceOutcome, plan_on_device
 from .gates import layout_refusals, model_config, num_layers, pp_partition
 from .groups import group_key, host_of, rank_capacity
 from .layout import RankBudget

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...engines.vllm_launch import MASTER_PORT
 from ...plans import EXECUTOR_MP, Refusal
-from ..checkpoint import engine_kwargs_for
+from ..decode import engine_kwargs_for
 from ..execution import with_mode
 from .groups import host_of, mixed_group_refusal
 from .layout import ParallelRequest

@@ -189,7 +189,7 @@ def _qwen3_like_manifest(*, vocab, hidden, tied, shards):
 
 
 def test_the_shard_mapping_is_held_while_loading_only():
-    from edge_core.budget import peak
+    from edge_core.budget import combine
     from edge_cpu import _memory
 
     manifest = _qwen3_like_manifest(vocab=151936, hidden=1024, tied=False, shards=(900 << 20, 600 << 20))
@@ -198,7 +198,7 @@ def test_the_shard_mapping_is_held_while_loading_only():
     assert mapping.lifetime == "load" and mapping.bytes == 900 << 20
     weights = Reservation(purpose="weights", bytes=manifest.weight_bytes, pool="host_ram",
                           lifetime="session_weights", evidence="D")
-    p = peak([weights, *terms], "host_ram")
+    p = combine([weights, *terms], "host_ram")
     runtime = next(t.bytes for t in terms if t.purpose == "runtime_baseline")
     packed = next(t.bytes for t in terms if t.purpose == "embedding_packed_copy")
     holes = _memory.REPACK_HOLES_SHARE * (manifest.weight_bytes - 2 * 151936 * 1024 * 2)
