@@ -26,9 +26,8 @@ from edge_core.cli.run import describe_stage_record
 from edge_core.devices import Device
 from edge_core.errors import UsageError
 from edge_core.host import HostFacts
-from edge_core.plan import plan_graph_stage
 from edge_core.plan.committed import ledger_bytes
-from edge_core.plan.graph_stage import NUMERIC_TOLERANCE
+from edge_core.plan.graph_stage import NUMERIC_TOLERANCE, plan_graph_stage
 from edge_core.plans import SessionSpec
 from edge_core.routes import ROUTES_EXTRA, Route, resolve
 from edge_core.runtime.admission import make_plan

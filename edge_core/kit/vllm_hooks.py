@@ -23,7 +23,6 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..engines.vllm import VLLM_RULES
 from ..hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -45,6 +44,9 @@ log = logging.getLogger(__name__)
 
 @hookimpl
 def engine_rules(device: Device) -> EngineRules:
+    # Imported when planning asks, not with the backend: `edge devices` imports every backend.
+    from ..engines.vllm import VLLM_RULES
+
     return VLLM_RULES
 
 

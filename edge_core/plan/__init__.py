@@ -15,13 +15,13 @@ core's memory terms), :mod:`.capacity` (what admission checks against),
 :mod:`.execution` (eager or compiled: the user's flag, else the backend's default).
 
 Backends take the types they are handed from the contract, so nothing on the
-way to ``edge devices`` imports this package; ``edge plan`` needs all of it.
+way to ``edge devices`` imports this package; ``edge plan`` needs all of it
+but :mod:`.graph_stage`, imported from its module when a graph is planned.
 """
 
 from .capacity import capacity_of
 from .decode import DEFAULT_MAX_NUM_BATCHED_TOKENS, engine_kwargs_for, resolve_session
 from .gates import candidate_order
-from .graph_stage import executes_graphs, plan_graph_stage
 from .kv import estimate_kv, kv_layout, max_model_len_for
 from .planner import only_backend, only_devices, plan_artifact, unreadable_artifact
 from .remedies import FORMATS_ELSEWHERE
@@ -37,13 +37,11 @@ __all__ = [
     "capacity_of",
     "engine_kwargs_for",
     "estimate_kv",
-    "executes_graphs",
     "kv_layout",
     "max_model_len_for",
     "only_backend",
     "only_devices",
     "plan_artifact",
-    "plan_graph_stage",
     "resolve_session",
     "unreadable_artifact",
 ]

@@ -26,7 +26,6 @@ nothing.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import sys
@@ -45,6 +44,8 @@ _MARK = "_edge_trims_heap"
 
 def trim() -> bool | None:
     """``malloc_trim(0)``: whether glibc gave memory back; None on a libc without it."""
+    import ctypes  # in the engine worker only: `edge devices` imports this module too
+
     try:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
