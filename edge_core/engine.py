@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from .devices import Device
     from .host import HostFacts
-    from .plans import Layout, SessionSpec
+    from .layout import Layout
+    from .plans import SessionSpec
 
 #: Layer kinds. ``mla`` is full attention over a compressed latent (one
 #: "head" of kv_lora_rank + qk_rope_head_dim elements, not doubled for K/V).

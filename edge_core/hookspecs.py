@@ -35,8 +35,9 @@ if TYPE_CHECKING:  # imported for annotations only: the core stays cheap to impo
     from .devices import Device, DeviceCounter
     from .engine import EngineRules
     from .host import HostFacts
+    from .layout import DeviceShare
     from .manifest import Manifest
-    from .plans import DeviceShare, ExecutionMode, Plan, Refusal, SessionSpec
+    from .plans import ExecutionMode, Plan, Refusal, SessionSpec
     from .server import ServerHandle, ServerOptions
     from .stream import DeltaEvent, StageRequest
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .budget import KVEstimate, Peak, Reservation
+    from .budget import Peak, Reservation
     from .devices import Device
+    from .kv import KVEstimate
     from .manifest import Manifest, ModelSource
 
 #: Refusal codes. Each names the gate that said no.
@@ -101,74 +102,6 @@ class SessionSpec:
             "kv_dtype": self.kv_dtype,
             "enforce_eager": self.enforce_eager,
         }
-
-
-#: vLLM's executor backends: its multiprocessing executor (one host, or several nodes joined by
-#: ``nnodes``/``node_rank``/``master_addr``), and Ray, chosen explicitly (``--distributed-executor-backend``).
-EXECUTOR_MP = "mp"
-EXECUTOR_RAY = "ray"
-EXECUTORS = (EXECUTOR_MP, EXECUTOR_RAY)
-@dataclass(frozen=True)
-class Layout:
-    """How many ranks split each layer (``tp``) and how many stages split the layers (``pp``)."""
-
-    tp: int = 1
-    pp: int = 1
-    hosts: int = 1
-    #: vLLM's executor: ``mp`` (multi-node across hosts) unless Ray was chosen.
-    executor: str = EXECUTOR_MP
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def ranks_per_host(self) -> int:
-        """vLLM's ``local_world_size``: node ``i`` runs ranks ``i * this`` to ``(i + 1) * this - 1``."""
-        return self.world_size // self.hosts
-
-    def label(self) -> str:
-        parts = [f"TP {self.tp}"] + ([f"PP {self.pp}"] if self.pp > 1 else [])
-        return (" x ".join(parts) + (f" over {self.hosts} hosts" if self.hosts > 1 else "")
-                + (" on Ray" if self.executor == EXECUTOR_RAY else ""))
-
-    def flags(self) -> str:
-        """The edge command-line flags that pin this layout."""
-        out = f"--tensor-parallel-size {self.tp}"
-        if self.pp > 1:
-            out += f" --pipeline-parallel-size {self.pp}"
-        if self.executor != EXECUTOR_MP:
-            out += f" --distributed-executor-backend {self.executor}"
-        return out
-
-
-@dataclass(frozen=True)
-class DeviceShare:
-    """The part of a parallel layout one device runs: its ranks, their layers and their weight bytes.
-
-    A GPU runs one rank; vLLM CPU's ranks share the host's one CPU device, each
-    bound to its own cores. ``weight_bytes`` is the sum over ``ranks``;
-    ``rank_weight_bytes`` the largest single rank's. ``layers`` is the stage's
-    ``[start, end)`` (None when the device holds ranks of several stages).
-    Handed to the owning backend's ``reserve_memory`` and ``gate_plan`` as
-    ``share``.
-    """
-
-    layout: Layout
-    ranks: tuple[int, ...]
-    weight_bytes: int
-    rank_weight_bytes: int
-    layers: tuple[int, int] | None
-    pp_rank: int | None
-
-    @property
-    def ranks_here(self) -> int:
-        return len(self.ranks)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"tp": self.layout.tp, "pp": self.layout.pp, "ranks": list(self.ranks),
-                "pp_rank": self.pp_rank, "layers": list(self.layers) if self.layers else None,
-                "weight_bytes": self.weight_bytes, "rank_weight_bytes": self.rank_weight_bytes}
 
 
 #: Where a session's execution mode came from: the user's flag, or the backend's default.

@@ -19,9 +19,10 @@ from edge_core.engine import ChargeSettings, EngineRules, KVLayout
 from edge_core.engines.vllm import VLLM_RULES, VllmRules
 from edge_core.host import read_host
 from edge_core.kit import vllm_hooks
+from edge_core.layout import Layout
 from edge_core.plan.gates import Owner
 from edge_core.plan.parallel import ParallelRequest
-from edge_core.plans import Layout, SessionSpec
+from edge_core.plans import SessionSpec
 from edge_core.runtime.admission import make_plan
 from edge_core.services.registry import Registry
 

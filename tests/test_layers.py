@@ -34,7 +34,7 @@ LAYERS = {"edge_core.kit": 7, "edge_core.testing": 7, "edge_core.cli": 6, "edge_
 DOCUMENTED_FOR_BACKENDS = (
     "edge_core", "edge_core.hookspecs", "edge_core.devices", "edge_core.host", "edge_core.budget",
     "edge_core.stream", "edge_core.errors", "edge_core.routes", "edge_core.builds", "edge_core.server", "edge_core.plans",
-    "edge_core.manifest", "edge_core.plan", "edge_core.artifact", "edge_core.testing", "edge_core.kit.vllm_hooks", "edge_core.kit.ort_hooks",
+    "edge_core.manifest", "edge_core.layout", "edge_core.plan", "edge_core.artifact", "edge_core.testing", "edge_core.kit.vllm_hooks", "edge_core.kit.ort_hooks",
     "edge_core.runtime.ort_stage", "edge_core.runtime.vllm_stage", "edge_core.kit.vllm_source",
 )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edge_core.devices import Device
 from edge_core.engines.vllm_launch import node_commands
-from edge_core.plans import Layout
+from edge_core.layout import Layout
 
 
 def _device(device_id: str, host: str | None = None) -> Device:

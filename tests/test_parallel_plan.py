@@ -17,8 +17,8 @@ import pytest
 from factories import KNOWN_CONFIGS, llama_like_tensors, write_checkpoint
 
 from edge_core.cli import main
+from edge_core.layout import Layout
 from edge_core.plan.parallel import candidate_layouts, pp_partition
-from edge_core.plans import Layout
 
 DATA = Path(__file__).parent / "data"
 GIB = 1 << 30

@@ -24,7 +24,8 @@ from ..services.registry import Registry
 from ._common import common_options, mask_from, mask_option, mib, positive_int, registry_from, write_document
 
 if TYPE_CHECKING:
-    from ..budget import KVEstimate, Peak, Reservation
+    from ..budget import Peak, Reservation
+    from ..kv import KVEstimate
     from ..plan.parallel import ParallelRequest
     from ..plans import DeviceVerdict
 

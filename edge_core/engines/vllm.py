@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from ..devices import Device
     from ..engine import ChargeSettings, KVLayout
     from ..host import HostFacts
-    from ..plans import Layout, SessionSpec
+    from ..layout import Layout
+    from ..plans import SessionSpec
 
 
 class VllmRules:

@@ -11,12 +11,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..host import format_cpulist
-from ..plans import EXECUTOR_MP, EXECUTOR_RAY
+from ..layout import EXECUTOR_MP, EXECUTOR_RAY
 
 if TYPE_CHECKING:
     from ..devices import Device
     from ..host import HostFacts
-    from ..plans import Layout, SessionSpec
+    from ..layout import Layout
+    from ..plans import SessionSpec
 
 #: The port the head's multi-node executor listens on when the user names none (vLLM's
 #: ``--master-port`` default, ``ParallelConfig.master_port``).

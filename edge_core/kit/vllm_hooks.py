@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
     from ..devices import Device
     from ..engine import EngineRules
-    from ..plans import DeviceShare, Plan, Refusal
+    from ..layout import DeviceShare
+    from ..plans import Plan, Refusal
     from ..runtime.vllm_server import VllmServer
     from ..runtime.vllm_stage import VllmStage
     from ..server import ServerOptions

@@ -25,11 +25,12 @@ from .terms import core_reservations
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..budget import KVEstimate, Peak, Reservation
+    from ..budget import Peak, Reservation
     from ..devices import Device
     from ..host import HostFacts
+    from ..kv import KVEstimate
+    from ..layout import DeviceShare
     from ..manifest import Manifest
-    from ..plans import DeviceShare
     from ..services.host_ledger import LedgerView
     from ..services.registry import PluginRecord, Registry
 

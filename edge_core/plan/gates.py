@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     from ..devices import Device
     from ..engine import EngineRules
     from ..host import HostFacts
+    from ..layout import DeviceShare
     from ..manifest import Manifest
-    from ..plans import DeviceShare, DeviceVerdict, Refusal, SessionSpec
+    from ..plans import DeviceVerdict, Refusal, SessionSpec
     from ..services.host_ledger import LedgerView
     from ..services.registry import Registry
 

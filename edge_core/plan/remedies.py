@@ -20,9 +20,10 @@ from .kv import estimate_kv, largest_fitting
 from .terms import SAFETY_MARGIN_FRACTION
 
 if TYPE_CHECKING:
-    from ..budget import KVEstimate, Peak, Reservation
+    from ..budget import Peak, Reservation
     from ..devices import Device
     from ..engine import EngineRules
+    from ..kv import KVEstimate
     from ..manifest import Manifest
     from ..plans import SessionSpec
     from ..services.registry import Registry

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 from ..budget import Reservation
 
 if TYPE_CHECKING:
-    from ..budget import KVEstimate
     from ..devices import Device
+    from ..kv import KVEstimate
+    from ..layout import DeviceShare
     from ..manifest import Manifest
-    from ..plans import DeviceShare, SessionSpec
+    from ..plans import SessionSpec
 
 #: Host RAM kept free for everything that is not this session (the OS, a
 #: desktop, other processes growing). Host capacity is already *available*

@@ -6,8 +6,8 @@ ways (the engine's own allocator rule asked of an :class:`~edge_core.engine.Engi
 vLLM's by default), and :mod:`.search` inverts a rule: the longest context whose charge fits.
 """
 
-from ...budget import RULES, KVEstimate
 from ...engines.vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE, hybrid_block_size
+from ...kv import RULES, KVEstimate
 from .charge import DTYPE_BYTES, estimate_kv
 from .layout import LAYER_KINDS, KVLayout, LayerKV, kv_layout, rank_layout
 from .search import DEFAULT_CEILING_TOKENS, largest_fitting, max_model_len_for

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...artifact.families import ssm_dtype_asked
-from ...budget import RULES, KVEstimate
 from ...engine import ChargeSettings
 from ...engines.vllm import VLLM_RULES
 from ...engines.vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE
 from ...errors import UsageError
+from ...kv import RULES, KVEstimate
 from .layout import kv_layout, rank_layout
 
 if TYPE_CHECKING:

@@ -6,10 +6,10 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...artifact.fields import CONTEXT_FIELDS, opt_int
-from ...budget import check_rule
 from ...engines.vllm import VLLM_RULES
 from ...engines.vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE
 from ...errors import UsageError
+from ...kv import check_rule
 from .charge import charge_bytes, positive, resolve_charge_settings
 from .layout import kv_layout, rank_layout
 

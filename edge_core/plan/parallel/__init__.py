@@ -14,7 +14,7 @@ never from this package.
 """
 
 from ...engines.vllm_launch import MASTER_PORT
-from ...plans import EXECUTOR_MP, EXECUTOR_RAY, EXECUTORS, DeviceShare, Layout
+from ...layout import EXECUTOR_MP, EXECUTOR_RAY, EXECUTORS, DeviceShare, Layout
 from .gates import (
     MAX_LISTED_TP,
     VOCAB_PADDING_SIZE,

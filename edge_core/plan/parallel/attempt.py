@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...plans import DeviceShare, Layout, Refusal
+from ...layout import DeviceShare, Layout
+from ...plans import Refusal
 from ..committed import pool_key
 from ..decode import DeviceOutcome, plan_on_device
 from .gates import layout_refusals, model_config, num_layers, pp_partition

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ...plans import Layout, Refusal
+from ...layout import Layout
+from ...plans import Refusal
 
 if TYPE_CHECKING:
     from ...manifest import Manifest

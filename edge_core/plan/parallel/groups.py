@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ...plans import EXECUTOR_MP, STAGE_ONLY_KINDS, Layout, Refusal
+from ...layout import EXECUTOR_MP, Layout
+from ...plans import STAGE_ONLY_KINDS, Refusal
 
 if TYPE_CHECKING:
     from ...devices import Device

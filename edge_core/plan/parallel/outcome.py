@@ -7,7 +7,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ...engines.vllm_launch import MASTER_PORT
-from ...plans import EXECUTOR_MP, Refusal
+from ...layout import EXECUTOR_MP
+from ...plans import Refusal
 from ..decode import engine_kwargs_for
 from ..execution import with_mode
 from .groups import host_of, mixed_group_refusal
@@ -15,12 +16,13 @@ from .layout import ParallelRequest
 from .weights import tensor_roles
 
 if TYPE_CHECKING:
-    from ...budget import KVEstimate
     from ...devices import Device
     from ...engine import EngineRules
     from ...host import HostFacts
+    from ...kv import KVEstimate
+    from ...layout import Layout
     from ...manifest import Manifest
-    from ...plans import DeviceVerdict, Layout, Plan, SessionSpec
+    from ...plans import DeviceVerdict, Plan, SessionSpec
     from .attempt import Attempt
 
 

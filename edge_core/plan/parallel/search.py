@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ...plans import EXECUTOR_MP, Layout, Refusal
+from ...layout import EXECUTOR_MP, Layout
+from ...plans import Refusal
 from ..gates import Owner
 from .attempt import Attempt, try_layout
 from .groups import candidate_layouts, groupable, host_of, like_groups

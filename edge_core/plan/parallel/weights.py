@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...plans import Layout
+from ...layout import Layout
 from .gates import config_int, model_config, num_layers, padded_vocab, pp_partition
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from edge_core.kit.vllm_hooks import (
 from . import _gates, _memory, _probe, _schemes, _vllm_support
 
 if TYPE_CHECKING:
-    from edge_core.plans import DeviceShare
+    from edge_core.layout import DeviceShare
 
 __all__ = [
     "EDGE_API_VERSION",

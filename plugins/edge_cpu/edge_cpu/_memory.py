@@ -22,7 +22,7 @@ from edge_core.kit.vllm_hooks import architectures
 from . import _packing, _vllm_support
 
 if TYPE_CHECKING:
-    from edge_core.plans import DeviceShare
+    from edge_core.layout import DeviceShare
 
 #: Tree PSS of a vLLM CPU session (front end, engine core, one worker) beside its weights and KV, in bytes (E):
 #: the largest read, a first run after install on the demo, rounded up (docs/vllm-cpu-facts.md, "Memory of the

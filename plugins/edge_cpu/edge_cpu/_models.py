@@ -36,7 +36,7 @@ from edge_core.plans import Refusal
 from ._vllm_support import MODEL_REGISTRY, VllmSource
 
 if TYPE_CHECKING:
-    from edge_core.plans import DeviceShare
+    from edge_core.layout import DeviceShare
 
 log = logging.getLogger(__name__)
 

@@ -413,7 +413,7 @@ MIB = 1 << 20
 
 
 def _share(tp=1, pp=1, ranks=None, weight_bytes=GIB):
-    from edge_core.plans import DeviceShare, Layout
+    from edge_core.layout import DeviceShare, Layout
 
     ranks = tuple(range(tp * pp)) if ranks is None else ranks
     return DeviceShare(layout=Layout(tp=tp, pp=pp), ranks=ranks, weight_bytes=weight_bytes,

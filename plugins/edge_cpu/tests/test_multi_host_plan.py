@@ -13,9 +13,10 @@ import pytest
 
 from edge_core.artifact import DEMO_MODEL, read_manifest
 from edge_core.cli import main
+from edge_core.layout import DeviceShare, Layout
 from edge_core.plan.decode import plan_on_device
 from edge_core.plan.parallel import pp_partition, rank_weight_bytes
-from edge_core.plans import DeviceShare, Layout, SessionSpec
+from edge_core.plans import SessionSpec
 from edge_core.runtime.admission import load_devices
 from edge_core.services.registry import Registry
 

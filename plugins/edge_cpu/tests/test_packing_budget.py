@@ -105,7 +105,7 @@ def test_the_levers_are_read_from_the_environment_the_engine_inherits(monkeypatc
     (2, 2, True, 0, 1024),
 ])
 def test_each_rank_holds_its_slice_of_the_tables(tp, pp, tied, held, transient):
-    from edge_core.plans import DeviceShare, Layout
+    from edge_core.layout import DeviceShare, Layout
 
     layout = Layout(tp=tp, pp=pp)
     share = DeviceShare(layout=layout, ranks=tuple(range(tp * pp)), weight_bytes=GIB,

@@ -17,7 +17,7 @@ from edge_core.artifact import DEMO_MODEL
 from edge_core.cli import main
 from edge_core.host import HostFacts, NumaNode
 from edge_core.kit.vllm_source import SourceTree, class_def, installed_vllm
-from edge_core.plans import DeviceShare, Layout
+from edge_core.layout import DeviceShare, Layout
 from edge_cpu import _gates, _pp
 
 GIB = 1 << 30

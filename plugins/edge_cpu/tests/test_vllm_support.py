@@ -401,7 +401,7 @@ def fake_models(tmp_path):
 
 
 def _pp_share(pp=2, tp=1):
-    from edge_core.plans import DeviceShare, Layout
+    from edge_core.layout import DeviceShare, Layout
 
     return DeviceShare(layout=Layout(tp=tp, pp=pp), ranks=tuple(range(tp * pp)), weight_bytes=GIB,
                        rank_weight_bytes=GIB // (tp * pp), layers=None, pp_rank=None)

@@ -14,7 +14,7 @@ import pytest
 
 import edge_cuda
 from edge_core.devices import Device
-from edge_core.plans import DeviceShare, Layout
+from edge_core.layout import DeviceShare, Layout
 from edge_core.testing import write_fake_vllm_models
 from edge_cuda import _pipeline
 

@@ -407,7 +407,7 @@ def test_memory_counter_without_a_driver_is_none_not_a_crash():
 
 def test_a_parallel_rank_reserves_collective_buffers():
     from edge_core import SessionSpec
-    from edge_core.plans import DeviceShare, Layout
+    from edge_core.layout import DeviceShare, Layout
     from edge_cuda import _memory
 
     alone = _memory.reservations(SessionSpec())
