@@ -194,13 +194,17 @@ def graphs(tmp_path_factory):
 
 
 def plan(path, devices, registry=None, host=None, **stage_options):
-    """Plan ``path`` as ``edge plan`` does (make_plan); stage options (threshold, tolerance) go direct."""
-    host = host or make_host()
+    """Plan ``path`` as ``edge plan`` does (make_plan beside the host ledger); stage options go direct."""
+    host, ledger = host or make_host(), hl.read_ledger()
     if not stage_options:
-        return make_plan(str(path), session=SessionSpec(), devices=devices, host=host, registry=registry)
+        return make_plan(str(path), session=SessionSpec(), devices=devices, host=host, registry=registry,
+                         ledger=ledger)
     from edge_core.artifact import read_manifest
+    from edge_core.artifact.graph_facts import read_graph_facts
 
-    return plan_graph_stage(read_manifest(str(path)), devices=devices, host=host, registry=registry, **stage_options)
+    manifest = read_manifest(str(path))
+    return plan_graph_stage(manifest, read_graph_facts(manifest), devices=devices, host=host, registry=registry,
+                            ledger=ledger, **stage_options)
 
 
 # ---------------------------------------------------------------- the export script

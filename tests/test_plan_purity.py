@@ -52,13 +52,6 @@ SERVICE_NAMES_AT_RUN_TIME = ("HOST_POOL", "LedgerView")
 
 #: The I/O plan/ still does, with why it stays for now.
 KNOWN_IO = sorted([
-    # The stage planner reads the graph's inputs, outputs and metadata, and finds the reference graph beside
-    # it; moving that read into artifact/ (the caller hands the facts in) is the next step.
-    "graph_stage.py: import onnx",
-    "graph_stage.py: os.path.getsize",
-    "graph_stage.py: os.path.isfile",
-    "graph_stage.py: os.path.realpath",
-    "graph_stage.py: os.path.realpath",
     # A device_committed remedy tells this process's own graph stages from other sessions' records.
     "committed.py: os.getpid",
 ])

@@ -13,19 +13,19 @@ Whether the stage then really ran on its device, and with the right numbers,
 is checked after its first run (:mod:`edge_core.runtime.graph_run`); the
 thresholds it is judged by are decided here and travel in ``plan.stage``.
 
-``onnx`` is imported only to read a graph's inputs and metadata.
+The graph's inputs, outputs and metadata are read by the caller (:mod:`edge_core.artifact.graph_facts`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ..artifact.graph_facts import META_STAGE, GraphFacts
 from ..budget import MIB, Reservation
-from ..errors import UsageError
+from ..errors import ArtifactError, UsageError
 from ..plans import STAGE_ONLY_KINDS, DeviceVerdict, GraphStagePlan, Plan, Refusal, SessionSpec
 from ..routes import INTERPRETER_NAMES, resolved_of, statuses_of
 from ..services.host_ledger import HOST_POOL, LedgerView
@@ -76,95 +76,13 @@ ORT_ACTIVATION_FLOOR_BYTES = 8 * MIB
 #: their product, 3 x intermediate ~ 9 x hidden).
 ACTIVATION_IO_MULTIPLE = 12
 
-#: Symbolic dimensions for sizing and sample inputs when the graph names none.
-DEFAULT_SAMPLE_DIMS = {"batch": 1, "batch_size": 1, "sequence": 8, "sequence_length": 8, "seq": 8}
-DEFAULT_SAMPLE_DIM = 8
-
-#: Graph metadata written by scripts/export_stage.py.
-META_REFERENCE = "edge.reference_graph"
-META_SAMPLE_DIMS = "edge.sample_dims"
-META_STAGE = "edge.stage"
-
 EXPORT_SCRIPT = "scripts/export_stage.py"
 #: The plan's JSON schema tag for the ``stage`` section.
 STAGE_SCHEMA = "edge.graph_stage/1"
 
-_ELEMENT_BYTES = {1: 4, 10: 2, 16: 2, 11: 8, 7: 8, 6: 4, 3: 1, 2: 1, 5: 2, 4: 2, 9: 1, 21: 1, 22: 1}
-
-
 def executes_graphs(device: Device, formats: Iterable[str]) -> bool:
     """A device takes graph stages when its kind only runs stages or its formats are graph formats."""
     return device.kind in STAGE_ONLY_KINDS or any(f.startswith(("onnx:", "pt:")) for f in formats)
-
-
-@dataclass(frozen=True)
-class GraphFacts:
-    """What planning reads from the graph beyond its manifest: I/O and edge metadata."""
-
-    inputs: tuple[tuple[str, int, tuple[Any, ...]], ...]
-    outputs: tuple[tuple[str, int, tuple[Any, ...]], ...]
-    metadata: dict[str, str]
-
-    def sample_dims(self) -> dict[str, int]:
-        """Size of each symbolic dimension of the graph's I/O: the graph's own, then the defaults."""
-        dims = dict(DEFAULT_SAMPLE_DIMS)
-        try:
-            given = json.loads(self.metadata.get(META_SAMPLE_DIMS) or "{}")
-        except ValueError:
-            given = {}
-        if isinstance(given, dict):
-            dims.update({str(k): int(v) for k, v in given.items() if isinstance(v, int) and v > 0})
-        named = {str(d) for _, _, shape in self.inputs + self.outputs for d in shape if not isinstance(d, int)}
-        return {name: dims.get(name, DEFAULT_SAMPLE_DIM) for name in sorted(named)}
-
-    def io_bytes(self) -> int:
-        dims = self.sample_dims()
-        total = 0
-        for _, elem, shape in self.inputs + self.outputs:
-            count = 1
-            for d in shape:
-                count *= d if isinstance(d, int) and d > 0 else dims.get(str(d), DEFAULT_SAMPLE_DIM)
-            total += count * _ELEMENT_BYTES.get(elem, 4)
-        return total
-
-
-def read_graph_facts(path: str) -> GraphFacts:
-    """I/O specs and ``metadata_props`` of the graph at ``path`` (external data left on disk)."""
-    import onnx
-
-    model = onnx.load(path, load_external_data=False)
-    initializers = {t.name for t in model.graph.initializer}
-
-    def specs(values: Iterable[Any]) -> tuple[tuple[str, int, tuple[Any, ...]], ...]:
-        out = []
-        for v in values:
-            if v.name in initializers:  # old exporters list initializers as inputs
-                continue
-            tensor = v.type.tensor_type
-            shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
-            out.append((v.name, int(tensor.elem_type), shape))
-        return tuple(out)
-
-    return GraphFacts(specs(model.graph.input), specs(model.graph.output),
-                      {p.key: p.value for p in model.metadata_props})
-
-
-def resolve_reference(manifest: Manifest, facts: GraphFacts) -> tuple[str, str]:
-    """The graph the numeric gate compares against on the CPU provider, and why that one.
-
-    The graph's own ``edge.reference_graph`` (a file beside it, e.g. the fp32
-    export an A16W8 graph was quantized from) when it names one that exists in
-    the same directory; otherwise the same graph.
-    """
-    name = facts.metadata.get(META_REFERENCE)
-    root = os.path.dirname(manifest.path)
-    if name and os.path.basename(name) == name and name.lower().endswith(".onnx"):
-        candidate = os.path.join(root, name)
-        if os.path.isfile(candidate) and os.path.realpath(candidate) != os.path.realpath(manifest.path):
-            return candidate, f"{name}, named by the graph's {META_REFERENCE} metadata"
-    if name:
-        return manifest.path, f"the same graph ({META_REFERENCE}={name!r} is not a graph beside it)"
-    return manifest.path, "the same graph (it names no reference graph)"
 
 
 def stage_reservations(manifest: Manifest, facts: GraphFacts, reference_path: str) -> list[Reservation]:
@@ -172,7 +90,7 @@ def stage_reservations(manifest: Manifest, facts: GraphFacts, reference_path: st
     graph_file = next((size for name, size in manifest.files if name == os.path.basename(manifest.path)),
                       manifest.weight_bytes)
     io_bytes = facts.io_bytes()
-    reference_bytes = os.path.getsize(reference_path) if reference_path != manifest.path else graph_file
+    reference_bytes = facts.reference_bytes if reference_path != manifest.path else graph_file
     dims = ", ".join(f"{k}={v}" for k, v in sorted(facts.sample_dims().items()) if k in ("batch", "sequence"))
     return [
         Reservation(purpose="weights", bytes=manifest.weight_bytes, pool="host_ram", lifetime="session_weights",
@@ -230,12 +148,15 @@ def host_pool_doc(capacity: int | None, how: str, ledger: LedgerView) -> dict[st
             "holders": holder_dicts(ledger.holders(HOST_POOL), HOST_POOL), "ledger_dir": ledger.directory}
 
 
-def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFacts | None,
-                     registry: Registry | None = None,
+def plan_graph_stage(manifest: Manifest, graph: GraphFacts | ArtifactError, *, devices: list[Device],
+                     host: HostFacts | None, registry: Registry | None = None,
                      devices_source: str = "probed", session: SessionSpec | None = None,
                      ledger: LedgerView | None = None, placement_threshold: float | None = None,
                      numeric_tolerance: float | None = None) -> Plan:
     """Plan one exported-graph stage: the first graph-executing device that passes every gate.
+
+    ``graph`` is what the caller read from the graph beyond its manifest
+    (:func:`edge_core.artifact.graph_facts.read_graph_facts`), or why it could not.
 
     ``ledger`` is what the live edge sessions and stages on this host hold
     (the caller reads it: :func:`~edge_core.services.host_ledger.read_ledger`);
@@ -256,12 +177,9 @@ def plan_graph_stage(manifest: Manifest, *, devices: list[Device], host: HostFac
     if not devices and not plugins and devices_source == "probed":
         return refused([no_backend_refusal(registry, "pip install edge-dml (AMD/Intel iGPU, Windows or WSL) or "
                                            "edge-vitisai (AMD XDNA NPU) in this venv")])
-    try:
-        facts = read_graph_facts(manifest.path)
-    except Exception as exc:  # noqa: BLE001 - graph.py parsed it already; anything here is a bad graph
-        return refused([Refusal(code="artifact_invalid", message=f"{manifest.path}: cannot read the graph's "
-                                f"inputs and metadata: {type(exc).__name__}: {exc}", remedy="re-export the graph")])
-    reference_path, reference_why = resolve_reference(manifest, facts)
+    if isinstance(graph, ArtifactError):
+        return refused([Refusal(code=graph.code, message=str(graph), remedy=graph.remedy)])
+    facts, reference_path, reference_why = graph, graph.reference_path, graph.reference_why
     tolerance = NUMERIC_TOLERANCE.get(manifest.weight_format, DEFAULT_NUMERIC_TOLERANCE) \
         if numeric_tolerance is None else float(numeric_tolerance)
     ledger = ledger if ledger is not None else LedgerView()

@@ -21,6 +21,7 @@ from .decode import plan_checkpoint
 from .parallel import ParallelRequest, plan_parallel
 
 if TYPE_CHECKING:
+    from ..artifact.graph_facts import GraphFacts
     from ..devices import Device
     from ..errors import ArtifactError
     from ..host import HostFacts
@@ -30,9 +31,10 @@ if TYPE_CHECKING:
 
 
 def plan_artifact(manifest: Manifest, *, model: str, session: SessionSpec, devices: list[Device],
-              host: HostFacts | None, registry: Registry | None = None, devices_source: str = "probed",
-              ledger: LedgerView | None = None, parallel: ParallelRequest | None = None,
-              hosts: Mapping[str, HostFacts | None] | None = None) -> Plan:
+                  host: HostFacts | None, registry: Registry | None = None, devices_source: str = "probed",
+                  ledger: LedgerView | None = None, parallel: ParallelRequest | None = None,
+                  hosts: Mapping[str, HostFacts | None] | None = None,
+                  graph: GraphFacts | ArtifactError | None = None) -> Plan:
     """Plan the artifact ``manifest`` describes: admitted, or refused with reasons.
 
     ``model`` is the model as the command named it (a node's command line
@@ -41,8 +43,10 @@ def plan_artifact(manifest: Manifest, *, model: str, session: SessionSpec, devic
     pins a tensor/pipeline-parallel layout or a device group (:mod:`.parallel`;
     unpinned, one is tried only when no single device fits); ``hosts`` are the
     host facts of other machines' device lists, by the label their devices
-    carry in ``extras["host"]``. Reading the artifact is the caller's
-    (:func:`edge_core.runtime.admission.make_plan` resolves a path or Hub id).
+    carry in ``extras["host"]``. ``graph`` is, for an exported graph, what
+    the caller read from it beyond the manifest (or why it could not).
+    Reading the artifact is the caller's (:func:`edge_core.runtime.admission.make_plan`
+    resolves a path or Hub id and reads both).
     """
     request = parallel or ParallelRequest()
     named = only_devices(devices, request.device_ids) if request.device_ids else devices
@@ -52,7 +56,9 @@ def plan_artifact(manifest: Manifest, *, model: str, session: SessionSpec, devic
             # Loaded for graphs only: most plans are checkpoints, and `edge plan` stays cheap.
             from .graph_stage import plan_graph_stage
 
-            return plan_graph_stage(manifest, devices=candidates, host=host, registry=registry,
+            if graph is None:
+                raise ValueError(f"planning the graph {manifest.path} needs the facts read from it (graph=)")
+            return plan_graph_stage(manifest, graph, devices=candidates, host=host, registry=registry,
                                     devices_source=devices_source, session=session, ledger=ledger)
         plan = plan_checkpoint(manifest, session=session, devices=candidates, host=host, registry=registry,
                                devices_source=devices_source, ledger=ledger, hosts=hosts)

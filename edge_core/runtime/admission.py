@@ -27,8 +27,9 @@ from ..host import HostFacts
 from ..plans import Plan, Refusal, SessionSpec
 
 if TYPE_CHECKING:
+    from ..artifact.graph_facts import GraphFacts
     from ..devices import Device
-    from ..manifest import ModelSource
+    from ..manifest import Manifest, ModelSource
     from ..plan.parallel import ParallelRequest
     from ..services.host_ledger import LedgerView
     from ..services.registry import Registry
@@ -210,8 +211,20 @@ def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], h
     else:
         plan = plan_artifact(manifest, model=str(model_path), session=session, devices=devices, host=host,
                              registry=registry, devices_source=devices_source, ledger=ledger, parallel=parallel,
-                             hosts=hosts)
+                             hosts=hosts, graph=_graph_facts(manifest))
     return replace(plan, source=source)
+
+
+def _graph_facts(manifest: Manifest) -> GraphFacts | ArtifactError | None:
+    """What the stage planner needs from an exported graph beyond its manifest, or why it cannot be read."""
+    if manifest.kind != "onnx":
+        return None
+    from ..artifact.graph_facts import read_graph_facts
+
+    try:
+        return read_graph_facts(manifest)
+    except ArtifactError as exc:  # the planner refuses with it, after its own first gates
+        return exc
 
 
 def admit(plan_once: PlanOnce, model: str, revision: str | None, *, command: str, requested_model: str | None,

@@ -32,8 +32,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..artifact.graph_facts import DEFAULT_SAMPLE_DIM, DEFAULT_SAMPLE_DIMS
 from ..errors import StageError
-from ..plan.graph_stage import DEFAULT_PLACEMENT_THRESHOLD, DEFAULT_SAMPLE_DIM, DEFAULT_SAMPLE_DIMS
+from ..plan.graph_stage import DEFAULT_PLACEMENT_THRESHOLD
 from ..stream import DeltaEvent, StageRequest, StateHandle
 
 if TYPE_CHECKING:
