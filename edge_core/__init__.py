@@ -2,7 +2,10 @@
 
 Backends are separate packages registered in the ``edge.backends`` entry-point
 group; they implement the hooks in :mod:`edge_core.hookspecs` with
-``@edge_core.hookimpl``.
+``@edge_core.hookimpl``. The top-level modules are that contract (the hooks and
+every value that crosses them) and nothing else; the sub-packages are tiers
+whose imports point down only: ``kit -> cli -> runtime -> plan -> engines ->
+artifact -> services -> contract`` (README, "How the code is laid out").
 """
 
 from ._version import __version__
