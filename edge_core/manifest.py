@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 
-class TensorTable(Protocol):
+class TensorRecords(Protocol):
     """Every tensor of a checkpoint, read from its headers (:class:`edge_core.artifact.header.TensorTable`)."""
 
     def __len__(self) -> int: ...
@@ -70,7 +70,7 @@ class Manifest:
     quantization_scheme: dict[str, Any] | None = None
     #: Every tensor of a checkpoint as (name, dtype, shape, nbytes, file), iterated on
     #: demand (:class:`edge_core.artifact.header.TensorTable`); None for a graph. Not part of ``to_dict``.
-    tensors: TensorTable | None = field(default=None, compare=False, repr=False)
+    tensors: TensorRecords | None = field(default=None, compare=False, repr=False)
 
     @property
     def text_config(self) -> dict[str, Any]:

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from published_configs import PUBLISHED
 
+from edge_core.engines.vllm_allocator import DEFAULT_MAMBA_SSM_CACHE_DTYPE
 from edge_core.errors import ArtifactError, UsageError
-from edge_core.plan.kv import DEFAULT_MAMBA_SSM_CACHE_DTYPE, estimate_kv, kv_layout, max_model_len_for
+from edge_core.plan.kv import estimate_kv, kv_layout, max_model_len_for
 
 MIB = 1 << 20
 GIB = 1 << 30

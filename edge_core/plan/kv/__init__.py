@@ -4,26 +4,17 @@
 :mod:`edge_core.artifact.families`), :mod:`.charge` charges a session three
 ways (the engine's own allocator rule asked of an :class:`~edge_core.engine.EngineRules`,
 vLLM's by default), and :mod:`.search` inverts a rule: the longest context whose charge fits.
+The values it returns and reads are the contract's (:mod:`edge_core.kv`, :mod:`edge_core.engine`).
 """
 
-from ...engines.vllm_allocator import CPU_ATTN_KERNEL_BLOCK_TOKENS, DEFAULT_MAMBA_SSM_CACHE_DTYPE, hybrid_block_size
-from ...kv import RULES, KVEstimate
 from .charge import DTYPE_BYTES, estimate_kv
-from .layout import LAYER_KINDS, KVLayout, LayerKV, kv_layout, rank_layout
+from .layout import kv_layout, rank_layout
 from .search import DEFAULT_CEILING_TOKENS, largest_fitting, max_model_len_for
 
 __all__ = [
-    "CPU_ATTN_KERNEL_BLOCK_TOKENS",
     "DEFAULT_CEILING_TOKENS",
-    "DEFAULT_MAMBA_SSM_CACHE_DTYPE",
     "DTYPE_BYTES",
-    "LAYER_KINDS",
-    "RULES",
-    "KVEstimate",
-    "KVLayout",
-    "LayerKV",
     "estimate_kv",
-    "hybrid_block_size",
     "kv_layout",
     "largest_fitting",
     "max_model_len_for",
