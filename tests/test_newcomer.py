@@ -264,6 +264,23 @@ def test_a_mistyped_local_directory_that_looks_like_a_hub_id_says_what_is_there(
     assert "no local directory mymodels/llama either (mymodels/ holds llama-3)" in proc.stdout
 
 
+def test_a_hub_shaped_path_with_nothing_of_it_here_says_both(tmp_path):
+    """The Hub is unreachable and no folder of that name exists: the refusal says both, and where it looked."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+           "EDGE_HUB_TIMEOUT": "30"}
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN")}
+    proc = subprocess.run([sys.executable, "-m", "edge_core", "plan", "--model", "mymodels/llama-typo"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**inherited, **env},
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    assert "[hub_unreachable]" in proc.stdout, proc.stdout
+    assert f"no local directory mymodels/ either in {tmp_path}" in " ".join(proc.stdout.split()), proc.stdout
+
+
 # ---------------------------------------------------------------- 12: the small things
 
 @needs_cpu
