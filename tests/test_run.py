@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from edge_core.artifact import DEMO_DIR
+from edge_core.artifact import DEMO_DIR, DEMO_MODEL
 from edge_core.cli.run import budget_lines
 from edge_core.plans import REFUSAL_CODES
 from edge_core.runtime.accept import PROMPTS
@@ -157,7 +157,8 @@ def test_parity_refuses_a_reference_layout_the_model_cannot_split_before_any_eng
     code = (
         "import sys\n"
         "from edge_core.cli import main\n"
-        f"rc = main(['parity', '--reference-tensor-parallel-size', '3', '--json', {str(record)!r}])\n"
+        f"rc = main(['parity', '--model', {str(DEMO_MODEL)!r}, '--reference-tensor-parallel-size', '3', "
+        f"'--json', {str(record)!r}])\n"
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'loaded a runtime for a refusal'\n"
         "sys.exit(rc)\n"
     )
