@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-TYPE_IDS = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 8}
+TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 _U32, _I32, _F32, _BOOL, _STR, _ARR, _U64 = 4, 5, 6, 7, 8, 9, 10
 
 
@@ -32,8 +32,10 @@ def _string(text: str) -> bytes:
 def _value(value: Any) -> bytes:
     if isinstance(value, bool):
         return struct.pack("<I?", _BOOL, value)
-    if isinstance(value, int):
-        return struct.pack("<Ii", _I32, value) if value < 2**31 else struct.pack("<IQ", _U64, value)
+    if isinstance(value, int):  # counts and ids are uint32 in llama.cpp's files (general.alignment must be)
+        if value < 0:
+            return struct.pack("<Ii", _I32, value)
+        return struct.pack("<II", _U32, value) if value < 2**32 else struct.pack("<IQ", _U64, value)
     if isinstance(value, float):
         return struct.pack("<If", _F32, value)
     if isinstance(value, str):
@@ -88,6 +90,19 @@ def quantize_q4_1(values: Sequence[float]) -> bytes:
     return out
 
 
+def quantize_q4_0(values: Sequence[float]) -> bytes:
+    """Q4_0: blocks of 32; an fp16 scale ``d`` then 16 bytes of nibbles (low: elements 0-15): ``x = d * (q - 8)``."""
+    out = b""
+    for start in range(0, len(values), 32):
+        block = values[start:start + 32]
+        extreme = max(block, key=abs)  # as llama.cpp's quantizer: the largest magnitude lands on -8 exactly
+        d = extreme / -8 or 1.0
+        d16 = struct.unpack("<e", struct.pack("<e", d))[0]
+        q = [min(15, max(0, round(v / d16) + 8)) for v in block]
+        out += struct.pack("<e", d16) + bytes(q[i] | (q[i + 16] << 4) for i in range(16))
+    return out
+
+
 def dequantize_blocks(data: bytes, kind: str) -> list[float]:
     """Values of Q8_0, Q4_1, F32 or F16 bytes, decoded from the block definitions above."""
     if kind == "F32":
@@ -99,6 +114,12 @@ def dequantize_blocks(data: bytes, kind: str) -> list[float]:
         for start in range(0, len(data), 34):
             (d,) = struct.unpack_from("<e", data, start)
             out += [d * q for q in struct.unpack_from("<32b", data, start + 2)]
+        return out
+    if kind == "Q4_0":
+        for start in range(0, len(data), 18):
+            (d,) = struct.unpack_from("<e", data, start)
+            packed = data[start + 2:start + 18]
+            out += [d * ((b & 0x0F) - 8) for b in packed] + [d * ((b >> 4) - 8) for b in packed]
         return out
     if kind == "Q4_1":
         for start in range(0, len(data), 20):
@@ -122,7 +143,8 @@ def llama_metadata(arch: str = "llama", layers: int = 2, hidden: int = 64, heads
 
 
 def llama_tensors(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128,
-                  vocab: int = 32, tied: bool = True, seed: int = 0) -> list[tuple[str, tuple[int, ...], str, bytes]]:
+                  vocab: int = 32, tied: bool = True, seed: int = 0, linear: str = "Q4_1"
+                  ) -> list[tuple[str, tuple[int, ...], str, bytes]]:
     """A llama decoder's tensors as llama.cpp names and shapes them (fastest dimension first), Q8_0/Q4_1/F32."""
     import random
 
@@ -133,7 +155,8 @@ def llama_tensors(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: i
         return [rng.uniform(-1, 1) for _ in range(n)]
 
     def q41(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], str, bytes]:
-        return name, shape, "Q4_1", quantize_q4_1(values(shape[0] * shape[1]))
+        encode = {"Q4_1": quantize_q4_1, "Q4_0": quantize_q4_0, "Q8_0": quantize_q8_0}[linear]
+        return name, shape, linear, encode(values(shape[0] * shape[1]))
 
     def f32(name: str, n: int) -> tuple[str, tuple[int, ...], str, bytes]:
         return name, (n,), "F32", struct.pack(f"<{n}f", *values(n))

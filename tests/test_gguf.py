@@ -21,6 +21,7 @@ from gguf_files import (
     llama_metadata,
     llama_tensors,
     permute_qk,
+    quantize_q4_0,
     quantize_q4_1,
     quantize_q8_0,
     write_gguf,
@@ -283,9 +284,82 @@ def test_import_of_the_demo_gguf_equals_an_independent_dequantization(tmp_path):
     assert files == set(record["files"])
 
 
+def _w4_weight(folder: Path, stem: str):
+    """A 4-bit layer decoded with compressed-tensors' own unpacking (vLLM's dependency): w = scale * (q - zero)."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        shape = torch.Size(f.get_tensor(f"{stem}.weight_shape").tolist())
+        scale = f.get_tensor(f"{stem}.weight_scale").float()
+        q = unpack_from_int32(f.get_tensor(f"{stem}.weight_packed"), 4, shape)
+        zero = unpack_from_int32(f.get_tensor(f"{stem}.weight_zero_point"), 4, torch.Size([shape[0], scale.shape[1]]),
+                                 packed_dim=0)
+    return ((q.float().view(shape[0], -1, 32) - zero.float()[..., None]) * scale[..., None]).view(shape), scale
+
+
+@needs("numpy", "gguf", "transformers", "torch", "safetensors", "compressed_tensors")
+@pytest.mark.parametrize("linear", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_4bit_import_is_compressed_tensors_w4a16_within_a_step_of_the_file(tmp_path, linear, monkeypatch):
+    """--bits 4: Q4_0 blocks are kept exactly (zero point 8, the scale rounded to bf16); anything else is within one
+    quantization step of the file's own value, decoded here from the block definitions."""
+    import torch
+
+    from edge_core.runtime import gguf_import
+
+    path = write_gguf(tmp_path / "tiny.gguf", llama_metadata(), llama_tensors(linear=linear))
+    out = tmp_path / "w4"
+    # The weights are the question here; the tokenizer step (transformers' reader) is the real file's test's.
+    monkeypatch.setattr(gguf_import, "_write_tokenizer", lambda conversion, folder: None)
+    gguf_import.import_gguf(path, out, bits=4)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    assert read_manifest(out).weight_format == "compressed-tensors:w4a16"
+    header = read_gguf_header(path)
+    raw = path.read_bytes()
+    for tensor in header.tensors:
+        if not tensor.name.endswith(("attn_v.weight", "ffn_down.weight", "attn_q.weight")):
+            continue
+        start = header.data_offset + tensor.offset
+        expected = torch.tensor(dequantize_blocks(raw[start:start + tensor.nbytes], tensor.type_name)).reshape(
+            tuple(reversed(tensor.shape)))
+        weight, scale = _w4_weight(out, hf_name(tensor.name)[: -len(".weight")])
+        if ".attn_q." in tensor.name:
+            weight = torch.from_numpy(permute_qk(weight.numpy(), 4))
+            scale = torch.from_numpy(permute_qk(scale.numpy(), 4))
+        if linear == "Q4_0":
+            d = torch.tensor([v for v in struct.unpack_from(f"<{tensor.nbytes // 18 * 9}e", raw, start)][::9])
+            exact = (expected.view(-1, 32) / d[:, None]) * d.to(torch.bfloat16).float()[:, None]
+            assert torch.equal(weight.view(-1, 32), exact.view(-1, 32)), tensor.name
+        else:
+            step = scale.repeat_interleave(32, dim=1)
+            assert ((weight - expected).abs() <= step * 1.01 + 1e-6).all(), tensor.name
+
+
+@needs("numpy")
+def test_the_4bit_search_is_no_worse_than_min_max_rounding():
+    import numpy as np
+
+    from edge_core.runtime.gguf_import import round_to_nearest_w4
+
+    rng = np.random.default_rng(1)
+    values = (rng.standard_t(4, size=(64, 256)) * 0.02).astype(np.float32)
+    q, scale, zero = round_to_nearest_w4(values)
+    ours = (q.reshape(64, 8, 32) - zero[..., None]) * scale[..., None]
+    groups = values.reshape(64, 8, 32)
+    low, high = np.minimum(groups.min(axis=2), 0), np.maximum(groups.max(axis=2), 0)
+    s = (high - low) / 15
+    z = np.clip(np.rint(-low / s), 0, 15)
+    minmax = (np.clip(np.rint(groups / s[..., None]) + z[..., None], 0, 15) - z[..., None]) * s[..., None]
+    assert ((ours - groups) ** 2).sum() <= ((minmax - groups) ** 2).sum()
+    assert q.max() <= 15 and zero.min() >= 0 and zero.max() <= 15
+
+
 def test_the_test_block_codecs_round_trip():
     """tests/gguf_files.py's own encoders and decoder agree (what the import test compares with is sound)."""
     values = [i / 37 - 0.5 for i in range(64)]
-    for kind, data, tolerance in (("Q8_0", quantize_q8_0(values), 0.01), ("Q4_1", quantize_q4_1(values), 0.05)):
+    for kind, data, tolerance in (("Q8_0", quantize_q8_0(values), 0.01), ("Q4_1", quantize_q4_1(values), 0.05),
+                                  ("Q4_0", quantize_q4_0(values), 0.08)):
         decoded = dequantize_blocks(data, kind)
         assert len(decoded) == 64 and max(abs(a - b) for a, b in zip(decoded, values, strict=True)) < tolerance

@@ -17,14 +17,22 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ArtifactError
 from .gguf import DEQUANTIZABLE, ArrayInfo, GGUFHeader, GGUFTensor
 
+#: safetensors' names of the output dtypes.
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 #: Output dtypes `edge import` writes, and their bytes per element.
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: ``--bits 4``: the decoder layers' linear weights as 4-bit integers with a scale and a zero point per group of
+#: this many inputs along each row (GGUF's own 32-element blocks), in compressed-tensors' pack-quantized layout,
+#: the W4A16 format vLLM CPU runs (its CPUWNA16 kernel: uint4 with zero points, groups and sizes multiples of 32).
+W4_GROUP = 32
+#: The linear layers ``--bits 4`` quantizes; embeddings, norms, biases and the LM head stay in the dtype.
+W4_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,25 @@ class TensorMove:
     shape: tuple[int, ...]
     #: Heads whose rows llama.cpp interleaved for its rotary kernels (q: attention heads, k: KV heads); 0: none.
     unpermute_heads: int = 0
+    #: Written as 4-bit integers (``--bits 4``), not as floats.
+    quantized: bool = False
+
+    def outputs(self, dtype: str) -> list[tuple[str, str, tuple[int, ...], int]]:
+        """The safetensors entries this tensor becomes: (name, safetensors dtype, shape, bytes).
+
+        A 4-bit weight is compressed-tensors' four: ``weight_packed`` (int32, eight 4-bit values per word
+        along the input), ``weight_scale`` (one per group, in ``dtype``), ``weight_zero_point`` (int32, eight
+        per word along the output) and ``weight_shape``.
+        """
+        if not self.quantized:
+            return [(self.name, SAFETENSORS_DTYPES[dtype], self.shape, math.prod(self.shape) * DTYPES[dtype])]
+        rows, cols = self.shape
+        stem = self.name[: -len(".weight")]
+        groups = cols // W4_GROUP
+        return [(f"{stem}.weight_packed", "I32", (rows, cols // 8), rows * cols // 2),
+                (f"{stem}.weight_scale", SAFETENSORS_DTYPES[dtype], (rows, groups), rows * groups * DTYPES[dtype]),
+                (f"{stem}.weight_zero_point", "I32", (rows // 8, groups), rows // 8 * groups * 4),
+                (f"{stem}.weight_shape", "I64", (2,), 16)]
 
 
 @dataclass(frozen=True)
@@ -99,11 +126,12 @@ class Conversion:
     moves: tuple[TensorMove, ...]
     #: Llama 3's frequency-factor tensor, read by the importer to fill ``rope_scaling``; None when absent.
     rope_freqs: GGUFTensor | None
+    #: 16: every weight in ``dtype``; 4: the linear layers as W4A16 (:data:`W4_GROUP`).
+    bits: int = 16
 
     @property
     def weight_bytes(self) -> int:
-        size = DTYPES[self.dtype]
-        return sum(math.prod(move.shape) * size for move in self.moves)
+        return sum(out[3] for move in self.moves for out in move.outputs(self.dtype))
 
     def source_types(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -116,10 +144,16 @@ def unsupported(header: GGUFHeader, what: str, remedy: str) -> ArtifactError:
     return ArtifactError("architecture_unsupported", f"{header.path}: {what}", remedy, header.path)
 
 
-def plan_conversion(header: GGUFHeader, dtype: str = "bfloat16") -> Conversion:
-    """The checkpoint ``header`` becomes, or :class:`ArtifactError` naming the architecture or tensor it cannot take."""
+def plan_conversion(header: GGUFHeader, dtype: str = "bfloat16", bits: int = 16) -> Conversion:
+    """The checkpoint ``header`` becomes, or :class:`ArtifactError` naming the architecture or tensor it cannot take.
+
+    ``bits=4`` writes the decoder's linear layers as W4A16 (:data:`W4_GROUP`); a layer whose sizes are not
+    whole groups of 32 (the kernel's rule) stays in ``dtype``, and the config's ``ignore`` list names it.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if bits not in (16, 4):
+        raise ValueError(f"bits must be 16 or 4, got {bits!r}")
     family = FAMILIES.get(header.architecture)
     if family is None:
         raise unsupported(header, f"a GGUF of architecture {header.architecture!r}, which edge import does not "
@@ -135,9 +169,40 @@ def plan_conversion(header: GGUFHeader, dtype: str = "bfloat16") -> Conversion:
             header.path)
     config = _config(header, family, dtype)
     moves = tuple(_moves(header, family, config))
+    if bits == 4:
+        moves = tuple(replace(m, quantized=_w4_fits(m)) for m in moves)
+        config["quantization_config"] = w4a16_config([m.name for m in moves if _w4_target(m) and not m.quantized])
     rope_freqs = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
     return Conversion(header=header, family=family, dtype=dtype, config=config,
-                      generation_config=_generation_config(header), moves=moves, rope_freqs=rope_freqs)
+                      generation_config=_generation_config(header), moves=moves, rope_freqs=rope_freqs, bits=bits)
+
+
+def _w4_target(move: TensorMove) -> bool:
+    return move.name.endswith(".weight") and move.name.split(".")[-2] in W4_TARGETS
+
+
+def _w4_fits(move: TensorMove) -> bool:
+    rows, cols = move.shape if len(move.shape) == 2 else (0, 0)
+    return _w4_target(move) and rows % 32 == 0 and cols % W4_GROUP == 0
+
+
+def w4a16_config(unquantized: list[str]) -> dict[str, Any]:
+    """compressed-tensors' ``quantization_config`` for the 4-bit layers: asymmetric int4, groups of
+    :data:`W4_GROUP` inputs, weights only (activations stay in the model dtype); the LM head and any linear layer
+    whose sizes do not fit the groups are left out by name."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                        "group_size": W4_GROUP, "dynamic": False, "actorder": None, "observer": "minmax"},
+            "input_activations": None, "output_activations": None,
+        }},
+        "ignore": ["lm_head", *(name[: -len(".weight")] for name in unquantized)],
+        "kv_cache_scheme": None,
+    }
 
 
 def _int(header: GGUFHeader, key: str, default: int | None = None) -> int:

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
+import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..artifact.gguf import read_gguf_header
-from ..artifact.gguf_map import DTYPES, Conversion, TensorMove, llama3_rope_scaling, plan_conversion
+from ..artifact.gguf import GGML_TYPES, read_gguf_header
+from ..artifact.gguf_map import W4_GROUP, Conversion, TensorMove, llama3_rope_scaling, plan_conversion
 from ..errors import ArtifactError, UsageError
 
 if TYPE_CHECKING:
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 SHARD_BYTES = 2 << 30
 #: Float32 bytes dequantized at once: bounds the importer's memory whatever the model's size.
 CHUNK_BYTES = 64 << 20
-#: safetensors dtype names of the output dtypes.
-SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 #: GGUF tensor types that are floats already (read, not dequantized).
 FLOAT_TYPES = ("F32", "F16", "BF16")
 #: Written beside the checkpoint: where it came from and how (read by `edge import` on a second run, by people).
@@ -57,6 +55,7 @@ class ImportResult:
     source: str
     out: str
     dtype: str
+    bits: int
     weight_bytes: int
     files: tuple[str, ...]
     tensors: int
@@ -64,29 +63,40 @@ class ImportResult:
     rope_scaling: dict[str, Any] | None
     seconds: float
 
+    def _method(self, name: str) -> str:
+        if self.bits == 4 and name in ("Q4_0", "Q4_1"):
+            return ("linear layers: the file's own 4-bit values and scales kept"
+                    + (" (zero point 8: exact)" if name == "Q4_0" else ", each block's minimum rounded to a whole "
+                       "zero point") + f"; other tensors dequantized by gguf-py, written as {self.dtype}")
+        if self.bits == 4:
+            return (f"linear layers: dequantized by gguf-py, then rounded to nearest per group of {W4_GROUP} "
+                    f"(4-bit, zero point); other tensors written as {self.dtype}")
+        return (f"read as {name}" if name in FLOAT_TYPES else f"dequantized from {name} by gguf-py") + \
+            f", written as {self.dtype}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
             "out": self.out,
             "dtype": self.dtype,
+            "bits": self.bits,
             "weight_bytes": self.weight_bytes,
             "files": list(self.files),
             "tensors": self.tensors,
             "source_types": dict(self.source_types),
-            "method": {name: (f"read as {name}" if name in FLOAT_TYPES else f"dequantized from {name} by gguf-py")
-                       + f", written as {self.dtype}" for name in self.source_types},
+            "method": {name: self._method(name) for name in self.source_types},
             "rope_scaling": self.rope_scaling,
             "seconds": round(self.seconds, 3),
         }
 
 
-def default_out(source: str | os.PathLike[str], dtype: str = "bfloat16") -> Path:
+def default_out(source: str | os.PathLike[str], dtype: str = "bfloat16", bits: int = 16) -> Path:
     """``./<file stem>-<dtype>`` in the current directory: ``SmolLM2-135M-Instruct.Q4_1.gguf`` ->
-    ``SmolLM2-135M-Instruct-bf16``."""
+    ``SmolLM2-135M-Instruct-bf16`` (``-w4a16`` with ``bits=4``)."""
     stem = Path(source).name
     stem = stem[: -len(".gguf")] if stem.lower().endswith(".gguf") else stem
     base = stem.split(".")[0] if "." in stem else stem
-    short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
+    short = "w4a16" if bits == 4 else {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
     return Path.cwd() / f"{base}-{short}"
 
 
@@ -105,7 +115,7 @@ def _require_runtime() -> None:
 
 
 def import_gguf(source: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *,
-                dtype: str = "bfloat16", observer: Observer | None = None,
+                dtype: str = "bfloat16", bits: int = 16, observer: Observer | None = None,
                 on_plan: Callable[[Conversion, Path], None] | None = None) -> ImportResult:
     """Convert the GGUF file ``source`` into a checkpoint directory ``out`` (made here; it must not exist).
 
@@ -116,8 +126,8 @@ def import_gguf(source: str | os.PathLike[str], out: str | os.PathLike[str] | No
     """
     started = time.perf_counter()
     header = read_gguf_header(source)
-    conversion = plan_conversion(header, dtype)
-    target = Path(out) if out is not None else default_out(source, dtype)
+    conversion = plan_conversion(header, dtype, bits)
+    target = Path(out) if out is not None else default_out(source, dtype, bits)
     target = target.absolute()
     _check_target(target, conversion)
     _require_runtime()
@@ -137,7 +147,8 @@ def import_gguf(source: str | os.PathLike[str], out: str | os.PathLike[str] | No
         with (observer.step("building the tokenizer and its chat template (transformers' GGUF reader)")
               if observer is not None else contextlib.nullcontext()):
             _write_tokenizer(conversion, partial)
-        result = ImportResult(source=header.path, out=str(target), dtype=dtype, weight_bytes=conversion.weight_bytes,
+        result = ImportResult(source=header.path, out=str(target), dtype=dtype, bits=bits,
+                              weight_bytes=conversion.weight_bytes,
                               files=tuple(sorted([*(p.name for p in partial.iterdir()), PROVENANCE])),
                               tensors=len(conversion.moves),
                               source_types=conversion.source_types(), rope_scaling=rope,
@@ -196,8 +207,6 @@ def _dequantized(conversion: Conversion, offset: int, type_id: int, rows_shape: 
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from ..artifact.gguf import GGML_TYPES
-
     _, block, size = GGML_TYPES[type_id]
     row_bytes = row // block * size
     raw = _raw(conversion, offset, rows_shape[0] * row_bytes).reshape(rows_shape[0], row_bytes)
@@ -223,8 +232,6 @@ def _chunks(move: TensorMove) -> Iterator[tuple[int, int]]:
 
 def _tensor_values(conversion: Conversion, move: TensorMove) -> Iterator[np.ndarray]:
     """The tensor's values, row chunk by row chunk, as float32 in the checkpoint's (row-major) orientation."""
-    from ..artifact.gguf import GGML_TYPES
-
     _, block, size = GGML_TYPES[move.source.type_id]
     rows, row = _rows(move)
     row_bytes = row // block * size
@@ -266,17 +273,30 @@ def to_dtype_bytes(values: np.ndarray, dtype: str) -> bytes:
 
 
 def _shards(moves: tuple[TensorMove, ...], dtype: str) -> list[list[TensorMove]]:
-    size = DTYPES[dtype]
+    """Moves grouped into shards of at most :data:`SHARD_BYTES` (a move's entries stay in one shard)."""
     shards: list[list[TensorMove]] = [[]]
     filled = 0
     for move in moves:
-        nbytes = math.prod(move.shape) * size
+        nbytes = sum(out[3] for out in move.outputs(dtype))
         if shards[-1] and filled + nbytes > SHARD_BYTES:
             shards.append([])
             filled = 0
         shards[-1].append(move)
         filled += nbytes
     return shards
+
+
+def _move_bytes(conversion: Conversion, move: TensorMove) -> Iterator[bytes]:
+    """The bytes of ``move``'s safetensors entries, in :meth:`TensorMove.outputs` order."""
+    if not move.quantized:
+        for values in _tensor_values(conversion, move):
+            yield to_dtype_bytes(values, conversion.dtype)
+        return
+    packed, scales, zeros = w4_groups(conversion, move)
+    yield packed.tobytes()
+    yield to_dtype_bytes(scales, conversion.dtype)
+    yield zeros.tobytes()
+    yield struct.pack("<2q", *move.shape)
 
 
 def _write_weights(conversion: Conversion, folder: Path, observer: Observer | None) -> list[str]:
@@ -286,16 +306,14 @@ def _write_weights(conversion: Conversion, folder: Path, observer: Observer | No
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     total = conversion.weight_bytes
     written, shown = 0, -1
-    size = DTYPES[conversion.dtype]
     weight_map = {}
     for name, shard in zip(names, shards, strict=True):
         header, offset = {}, 0
         for move in shard:
-            nbytes = math.prod(move.shape) * size
-            header[move.name] = {"dtype": SAFETENSORS_DTYPE[conversion.dtype], "shape": list(move.shape),
-                                 "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            weight_map[move.name] = name
+            for entry, dtype, shape, nbytes in move.outputs(conversion.dtype):
+                header[entry] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+                weight_map[entry] = name
         header["__metadata__"] = {"format": "pt", "source": "edge import"}
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)
@@ -303,18 +321,103 @@ def _write_weights(conversion: Conversion, folder: Path, observer: Observer | No
             handle.write(len(encoded).to_bytes(8, "little"))
             handle.write(encoded)
             for move in shard:
-                for values in _tensor_values(conversion, move):
-                    data = to_dtype_bytes(values, conversion.dtype)
+                for data in _move_bytes(conversion, move):
                     handle.write(data)
                     written += len(data)
                 percent = 100 * written // max(total, 1)
                 if observer is not None and percent // 5 != shown:
                     shown = percent // 5
                     observer.progress(written >> 20, total >> 20, "MiB written")
+            if handle.tell() != 8 + len(encoded) + offset:
+                raise RuntimeError(f"{name}: wrote {handle.tell()} bytes, the header promised {8 + len(encoded) + offset}")
     if len(shards) > 1:
         _write_json(folder / "model.safetensors.index.json",
                     {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     return names
+
+
+def w4_groups(conversion: Conversion, move: TensorMove) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One linear weight as W4A16: (packed int32 [rows, cols/8], scales [rows, groups], packed zero points
+    [rows/8, groups]), 4-bit values unsigned 0-15 with ``w = scale * (q - zero)``.
+
+    A Q4_0 tensor maps exactly: its blocks are ``d * (q - 8)``, kept as they
+    are (zero point 8). Any other type (Q4_1's ``d * q + m`` included: its
+    minimum is rarely a whole number of steps) is dequantized and rounded to
+    nearest per group (:func:`round_to_nearest_w4`).
+    """
+    import numpy as np
+
+    rows, cols = move.shape
+    if move.source.type_name == "Q4_0":
+        _, block, size = GGML_TYPES[move.source.type_id]
+        raw = np.asarray(_raw(conversion, move.source.offset, move.source.nbytes)).reshape(rows, cols // block, size)
+        scale = raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = raw[:, :, 2:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2).reshape(rows, cols)
+        zero = np.full(scale.shape, 8, dtype=np.int32)
+    else:
+        values = np.concatenate(list(_tensor_values(conversion, replace(move, unpermute_heads=0))))
+        q, scale, zero = round_to_nearest_w4(values)
+    if move.unpermute_heads:  # whole rows move: their values, scales and zeros together
+        q, scale, zero = (unpermute(a, move.unpermute_heads) for a in (q, scale, zero))
+    packed = _pack_nibbles(np.ascontiguousarray(q, dtype=np.uint32), axis=1)
+    zeros = _pack_nibbles(np.ascontiguousarray(zero, dtype=np.uint32), axis=0)
+    return packed, scale.astype(np.float32), zeros
+
+
+def round_to_nearest_w4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of float weights as 4-bit (q, scale, zero) per group of :data:`W4_GROUP`, ``w ~ scale * (q - zero)``.
+
+    For each group the five whole zero points around min-max rounding's are
+    tried: the scale that covers the group's range with it, the values
+    rounded to nearest, then the scale refit by least squares to those
+    values; the pair with the least squared error is kept. (Min-max alone
+    shifts a group by up to half a step when its minimum falls between two
+    steps; the search spreads that error.) Row chunks bound the memory.
+    """
+    import numpy as np
+
+    rows, cols = values.shape
+    groups_per_row = cols // W4_GROUP
+    q_out = np.empty((rows, cols), dtype=np.uint8)
+    scale_out = np.empty((rows, groups_per_row), dtype=np.float32)
+    zero_out = np.empty((rows, groups_per_row), dtype=np.int32)
+    step = max(1, (8 << 20) // cols)
+    for first in range(0, rows, step):
+        t = values[first:first + step].astype(np.float32).reshape(-1, groups_per_row, W4_GROUP)
+        low = np.minimum(t.min(axis=2), 0.0)
+        high = np.maximum(t.max(axis=2), 0.0)
+        span = np.maximum(high - low, 1e-12)
+        start = np.clip(np.rint(-low * 15 / span), 0, 15)[..., None]
+        zeros = np.clip(start + np.arange(-2, 3, dtype=np.float32), 0, 15)  # [r, g, 5]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.maximum(np.where(zeros > 0, -low[..., None] / zeros, 0.0),
+                               np.where(zeros < 15, high[..., None] / (15 - zeros), 0.0))
+        scale = np.where(scale > 0, scale, 1e-12)
+        q = np.clip(np.rint(t[..., None, :] / scale[..., None]) + zeros[..., None], 0, 15)  # [r, g, 5, 32]
+        centred = q - zeros[..., None]
+        denom = (centred * centred).sum(axis=3)
+        fitted = np.where(denom > 0, (centred * t[..., None, :]).sum(axis=3) / np.where(denom > 0, denom, 1), scale)
+        error = ((fitted[..., None] * centred - t[..., None, :]) ** 2).sum(axis=3)
+        best = error.argmin(axis=2)[..., None]
+        count = t.shape[0]
+        q_out[first:first + count] = np.take_along_axis(q, best[..., None], axis=2)[:, :, 0, :].reshape(count, cols)
+        scale_out[first:first + count] = np.take_along_axis(fitted, best, axis=2)[..., 0]
+        zero_out[first:first + count] = np.take_along_axis(zeros, best, axis=2)[..., 0].astype(np.int32)
+    return q_out, scale_out, zero_out
+
+
+def _pack_nibbles(values: np.ndarray, axis: int) -> np.ndarray:
+    """Eight 4-bit values per little-endian int32 along ``axis``, the first in the lowest bits (compressed-tensors'
+    ``pack_to_int32``)."""
+    import numpy as np
+
+    moved = np.moveaxis(values, axis, -1)
+    eight = moved.reshape(*moved.shape[:-1], moved.shape[-1] // 8, 8)
+    words = np.zeros(eight.shape[:-1], dtype=np.uint32)
+    for i in range(8):
+        words |= (eight[..., i] & 0xF) << np.uint32(4 * i)
+    return np.ascontiguousarray(np.moveaxis(words, -1, axis)).view("<i4")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
