@@ -259,17 +259,15 @@ def to_dtype_bytes(values: np.ndarray, dtype: str) -> bytes:
     """float32 values as the output dtype's little-endian bytes; bfloat16 rounds to nearest even, as torch does."""
     import numpy as np
 
-    if dtype == "float32":
-        return np.ascontiguousarray(values, dtype="<f4").tobytes()
-    if dtype == "float16":
-        return np.ascontiguousarray(values, dtype="<f2").tobytes()
+    if dtype in ("float32", "float16"):
+        return bytes(np.ascontiguousarray(values, dtype="<f4" if dtype == "float32" else "<f2").tobytes())
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
     out = rounded.astype("<u2")
     nan = np.isnan(values)
     if nan.any():
         out[nan.reshape(out.shape)] = 0x7FC0
-    return out.tobytes()
+    return bytes(out.tobytes())
 
 
 def _shards(moves: tuple[TensorMove, ...], dtype: str) -> list[list[TensorMove]]:
