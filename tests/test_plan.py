@@ -124,7 +124,8 @@ def test_70b_on_a_24_gib_host_is_refused_and_says_nothing_fits(llama70b, host_tr
     [refusal] = plan.refusals
     assert refusal.code == "budget_exceeds_device"
     assert refusal.details["max_model_len_that_fits"] == 0
-    assert "weights alone are 131.4 GiB" in refusal.remedy
+    assert "nothing fits even with the shortest context" in refusal.remedy
+    assert "(weights 131.42 GiB" in refusal.remedy  # 70.6e9 bf16 parameters: 131.42 GiB in the headers
 
 
 def test_candidate_order_is_private_pool_first_then_larger():
@@ -430,8 +431,9 @@ def test_edge_plan_explain_prints_the_refused_devices_reservations(llama70b, sma
     assert "budget    cpu (refused at the capacity gate):" in out
     for purpose in ("weights", "kv_cache", "activations", "external_reserve", "safety_margin"):
         assert any(line.split()[:1] == [purpose] for line in out.splitlines()), purpose
-    kv_mib = f"{expected_kv_70b(8192).bytes_vllm / 2**20:,.0f} MiB reserved (vLLM rule)"
-    assert f"kv cache {kv_mib}" in out
+    # Refused: not even one full-length sequence fits, so the pool shown is that one sequence's, vLLM's least.
+    kv_mib = f"{expected_kv_70b(8192).bytes_vllm / 2**20:,.0f} MiB (the least vLLM starts with"
+    assert f"kv cache pool {kv_mib}" in out
     assert "cuda:0 (refused" not in out  # refused at the format gate: no budget to show
 
 
