@@ -95,6 +95,31 @@ def test_peak_is_a_max_of_load_path_and_steady_state_not_a_sum():
     assert result.predicted_bytes == 20 and result.admission_bytes == 23
 
 
+def test_file_pages_are_seen_but_not_admitted_against():
+    from edge_core.budget import Reservation
+
+    terms = [
+        Reservation("weights", 100, "host_ram", "session_weights", "D"),
+        Reservation("runtime", 50, "host_ram", "session", "E", held_during_load=True),
+        Reservation("kv_cache", 20, "host_ram", "session", "D"),
+        Reservation("file_mapping", 100, "host_ram", "load", "E", reclaimable=True),
+        Reservation("repack", 30, "host_ram", "load", "E"),
+        Reservation("external_reserve", 7, "host_ram", "session", "E", headroom=True),
+    ]
+    peak = combine(terms, "host_ram")
+    # Held: what the session cannot run without. Reading (file pages) comes before re-packing (held), so the
+    # load path the tree PSS shows is the larger of the two phases, never their sum.
+    assert peak.held_load_path_bytes == 100 + 50 + 30 and peak.held_steady_state_bytes == 100 + 50 + 20
+    assert peak.load_path_bytes == 100 + 50 + max(100, 30) and peak.steady_state_bytes == 170
+    assert peak.held_bytes == 180 and peak.predicted_bytes == 250 and peak.reclaimable_bytes == 70
+    assert peak.admission_bytes == 180 + 7  # the file pages are not admitted against
+    grown = combine([*terms[:3], Reservation("file_mapping", 10_000, "host_ram", "load", "E", reclaimable=True),
+                     *terms[4:]], "host_ram")
+    assert grown.admission_bytes == peak.admission_bytes and grown.predicted_bytes == 150 + 10_000
+    doc = peak.to_dict()
+    assert doc["held_peak_bytes"] == 180 and doc["predicted_peak_bytes"] == 250 and doc["admission_bytes"] == 187
+
+
 def test_capacity_refusal_computes_a_context_that_really_fits(llama8b):
     devices, host_doc = load_device_list(str(DATA / "devices-rtx5090-laptop.json"))
     plan = make_plan(str(llama8b), session=SessionSpec(max_model_len=131072), devices=devices,

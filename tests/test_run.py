@@ -202,6 +202,14 @@ class TestRealEngine:
         budget = next(line for line in out.splitlines() if line.startswith("budget"))
         assert "predicted session peak" in budget and "tree-PSS peak" in budget and "(bounds)" in budget
         assert "starting vllm:cpu on cpu" in done.stderr  # progress went to stderr, not stdout
+        # --max-model-len auto on a pool of two blocks: vLLM's auto-fit gives one sequence one block (the other is
+        # the null block), and vLLM started with exactly that context and that pool.
+        from conftest import DEMO_RUN_CONTEXT, demo_run_pool_bytes
+
+        assert f"max_model_len {DEMO_RUN_CONTEXT} (auto)" in out
+        engine = next(line for line in out.splitlines() if line.startswith("  engine "))
+        assert f"max_model_len={DEMO_RUN_CONTEXT}," in engine
+        assert f"kv_cache_memory_bytes={demo_run_pool_bytes()}," in engine
 
     def test_ctrl_c_cancels_cleanly_with_exit_130(self):
         # One rank. Two ranks stopped by SIGINT, every rank reaped: tests/test_serve.py's TP 2 server; the

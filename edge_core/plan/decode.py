@@ -274,9 +274,9 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
         return sizing.outcome(session, kv, mode, notes, (pool_too_small_refusal(device, manifest, session, kv, sizing.rules),))
     kv, shrunk = choose_pool(kv, session, sizing.passes(session), sizing.largest(session))
     if shrunk and kv.pool is not None and kv.pool.source == "fit":
-        notes += (f"{device.device_id}: the KV pool for {session.max_num_seqs} sequences at full context "
-                  f"({kv.bytes_vllm / 2**30:.2f} GiB) does not fit beside everything else; the largest that does "
-                  f"({kv.pool.bytes / 2**30:.2f} GiB) {kv.pool.guarantee()}",)
+        notes += (f"{device.device_id}: a KV pool for {session.max_num_seqs} sequences at full context "
+                  f"({kv.bytes_vllm / 2**30:.2f} GiB) does not fit beside everything else; the pool is the largest "
+                  f"that does ({kv.pool.bytes / 2**30:.2f} GiB, {kv.pool.full_length_sequences:,} at full context)",)
     return sizing.outcome(session, kv, mode, notes)
 
 

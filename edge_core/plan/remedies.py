@@ -152,7 +152,7 @@ def capacity_refusal(device: Device, manifest: Manifest, session: SessionSpec, k
     what = ""
     if pool is not None and pool.source == "one_sequence":
         what = (f" (not even one sequence of {pool.max_model_len:,} tokens fits: its KV pool needs at least "
-                f"{pool.min_bytes / 2**30:.2f} GiB, the least vLLM starts with)")
+                f"{pool.min_bytes / 2**20:,.0f} MiB, the least vLLM starts with)")
     elif pool is not None and pool.source == "kv_cache_memory":
         what = f" (with --kv-cache-memory {pool.bytes / 2**30:.2f} GiB)"
     return Refusal(
