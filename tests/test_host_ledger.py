@@ -345,3 +345,33 @@ def test_a_budget_refusal_names_the_sessions_holding_the_pool(llama8b):
     bare = make_plan(str(llama8b), session=SessionSpec(max_model_len=CONTEXT), devices=devices, host=small,
                      devices_source="file")
     assert "edge stop" not in bare.refusals[0].remedy
+
+
+def test_a_version_1_record_reads_and_ps_shows_the_pool_in_use(ledger, capsys):
+    from edge_core.cli import main
+
+    old = record().to_dict()
+    for name in ("held_peak_bytes", "kv_pool_bytes", "kv_cache_usage"):
+        del old[name]
+    old["schema_version"] = 1
+    parsed = hl.SessionRecord.from_dict(old)
+    assert (parsed.held_peak_bytes, parsed.kv_pool_bytes, parsed.kv_cache_usage) == (0, 0, None)
+    with pytest.raises(ValueError):
+        hl.SessionRecord.from_dict({**record().to_dict(), "kv_cache_usage": 1.5})
+    with hl.admission() as taken:
+        registration = taken.register(command="edge serve", model="m", artifact_id=None, device_ids=("cpu",),
+                                      reserved_bytes={"host_ram": 3 * GIB}, predicted_peak_bytes=2 * GIB,
+                                      headroom_bytes=GIB // 2, session=False, held_peak_bytes=GIB + GIB // 2,
+                                      kv_pool_bytes=GIB)
+    try:
+        registration.update(kv_cache_usage=0.25)
+        assert main(["ps"]) == 0
+        out = capsys.readouterr().out
+        assert "25% of 1,024 MiB" in out and "1,536 MiB" in out and "KV POOL" in out
+        assert main(["ps", "--json"]) == 0
+        import json as _json
+
+        [doc] = _json.loads(capsys.readouterr().out)["sessions"]
+        assert doc["kv_cache_usage"] == 0.25 and doc["kv_pool_bytes"] == GIB and doc["schema_version"] == 2
+    finally:
+        registration.remove()

@@ -120,6 +120,7 @@ class MemoryWatch:
         self._thread.join(5)
 
     def snapshot(self) -> dict[str, Any]:
+        self.read_kv_usage()
         report = self.sampler.report()
         entry = report.counter(self.counter)
         last = self.sampler.last_sample
