@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 #: Tree PSS of a vLLM CPU session (front end, engine core, one worker) beside its weights and KV, in bytes (E):
 #: the largest read, a first run after install on the demo, rounded up (docs/vllm-cpu-facts.md, "Memory of the
-#: process tree (PSS, GiB)").
+#: process tree (PSS, GiB)"). Admitted as held: it includes the libraries' mapped pages (~130 MiB of Pss_File),
+#: which are file-backed but in use, so a limit that reclaims them makes the session fault them back. A
+#: calibration constant: re-fit it against the least memory limit a session runs under (issue 36), not PSS alone.
 RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
 #: What vLLM's compiled mode (torch.compile / inductor, ``enforce_eager=False``) adds to the tree while it
 #: compiles and warms the model up, in bytes (evidence E): 512 MiB covers the 450-500 MiB seen on the demo
