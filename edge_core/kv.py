@@ -10,9 +10,16 @@ their fields (docs/json.md, ``kv`` and ``kv.pool``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import UsageError
+
+
+class PoolCarver(Protocol):
+    """What carves a KV pool: an engine's rules (:meth:`edge_core.engine.EngineRules.carve_pool`)."""
+
+    def carve_pool(self, pool_bytes: int, *, sequence_bytes: int, block_bytes: int, max_num_seqs: int
+                   ) -> tuple[int, int, int, float]: ...
 
 #: Charging rules, in the order :class:`KVEstimate` reports them.
 RULES = ("flat", "by_layer_type", "vllm")
@@ -30,8 +37,10 @@ POOL_SOURCES = {
 class KVPool:
     """The KV pool one rank's engine allocates (vLLM's ``kv_cache_memory_bytes``), and what it guarantees.
 
-    vLLM carves ``bytes`` into ``num_blocks`` blocks of ``block_bytes`` (one
-    block of ``block_size`` tokens across every layer, ``get_kv_cache_config_from_groups``),
+    The engine's rules carve it (:meth:`~edge_core.engine.EngineRules.carve_pool`;
+    vLLM's: :func:`edge_core.engines.vllm_allocator.carve_pool`): vLLM cuts
+    ``bytes`` into ``num_blocks`` blocks of ``block_bytes`` (one block of
+    ``block_size`` tokens across every layer, ``get_kv_cache_config_from_groups``),
     holds one back as the null block, and gives every running sequence the
     blocks it reaches; when the pool runs short it preempts a sequence and
     resumes it later. A sequence at ``max_model_len`` holds
@@ -94,24 +103,6 @@ class KVPool:
         }
 
 
-def kv_pool(pool_bytes: int, source: str, *, max_model_len: int, max_num_seqs: int, block_size: int | None,
-            sequence_bytes: int, block_bytes: int) -> KVPool:
-    """The pool of ``pool_bytes`` as vLLM carves it (``get_kv_cache_config_from_groups``,
-    ``get_max_concurrency_for_kv_cache_config``): whole blocks, the null block held back."""
-    if block_bytes:
-        num_blocks = pool_bytes // block_bytes
-        per_sequence = sequence_bytes // block_bytes
-        full = max(num_blocks - 1, 0) // per_sequence if per_sequence else max_num_seqs
-        concurrency = num_blocks / per_sequence if per_sequence else float(max_num_seqs)
-    else:
-        num_blocks = per_sequence = 0
-        full = pool_bytes // sequence_bytes if sequence_bytes else max_num_seqs
-        concurrency = pool_bytes / sequence_bytes if sequence_bytes else float(max_num_seqs)
-    return KVPool(bytes=pool_bytes, source=source, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                  block_size=block_size, block_bytes=block_bytes, num_blocks=num_blocks,
-                  blocks_per_sequence=per_sequence, sequence_bytes=sequence_bytes, full_length_sequences=full,
-                  tokens=int(concurrency * max_model_len), max_concurrency=round(concurrency, 2))
-
 @dataclass(frozen=True)
 class KVEstimate:
     """A session's KV charge under each rule, in bytes, with how each was computed.
@@ -173,11 +164,16 @@ class KVEstimate:
         """Bytes the engine's KV pool takes per rank: the planned pool's, else the ``vllm`` charge."""
         return self.pool.bytes if self.pool is not None else self.bytes_vllm
 
-    def with_pool(self, pool_bytes: int, source: str) -> KVEstimate:
-        """This estimate with a pool of ``pool_bytes`` (its guarantee computed from this estimate's blocks)."""
-        return replace(self, pool=kv_pool(pool_bytes, source, max_model_len=self.max_model_len,
-                                          max_num_seqs=self.max_num_seqs, block_size=self.block_size,
-                                          sequence_bytes=self.sequence_bytes, block_bytes=self.block_bytes))
+    def with_pool(self, pool_bytes: int, source: str, rules: PoolCarver) -> KVEstimate:
+        """This estimate with a pool of ``pool_bytes``, carved as the engine's ``rules`` carve it."""
+        blocks, per_sequence, full, concurrency = rules.carve_pool(
+            pool_bytes, sequence_bytes=self.sequence_bytes, block_bytes=self.block_bytes,
+            max_num_seqs=self.max_num_seqs)
+        return replace(self, pool=KVPool(
+            bytes=pool_bytes, source=source, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            block_size=self.block_size, block_bytes=self.block_bytes, num_blocks=blocks,
+            blocks_per_sequence=per_sequence, sequence_bytes=self.sequence_bytes, full_length_sequences=full,
+            tokens=int(concurrency * self.max_model_len), max_concurrency=round(concurrency, 2)))
 
     def bytes_for(self, rule: str) -> int:
         return {"flat": self.bytes_flat, "by_layer_type": self.bytes_by_layer_type,

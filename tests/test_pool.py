@@ -17,6 +17,7 @@ from factories import KNOWN_CONFIGS, llama_like_tensors, vllm_block_bytes, write
 from edge_core.cli import main
 from edge_core.cli.plan import byte_size, context_length
 from edge_core.devices import load_device_list
+from edge_core.engines.vllm import VLLM_RULES
 from edge_core.host import HostFacts
 from edge_core.kv import KVPool
 from edge_core.plan.kv import estimate_kv, max_model_len_for
@@ -51,7 +52,7 @@ def vllm_auto_fit(config: dict, pool_bytes: int, block_size: int) -> int:
 
 def smollm2_pool(pool_bytes: int, max_model_len: int = 8192, seqs: int = 1) -> KVPool:
     kv = estimate_kv(SMOLLM2, max_model_len=max_model_len, max_num_seqs=seqs, block_size=128)
-    pool = kv.with_pool(pool_bytes, "kv_cache_memory").pool
+    pool = kv.with_pool(pool_bytes, "kv_cache_memory", VLLM_RULES).pool
     assert pool is not None
     return pool
 
@@ -82,7 +83,7 @@ def test_the_pool_for_max_num_seqs_is_the_charge_of_that_many_full_sequences():
     kv = estimate_kv(SMOLLM2, max_model_len=8192, max_num_seqs=8, block_size=128)
     block = vllm_block_bytes(SMOLLM2, 128)
     assert kv.bytes_vllm == (8 * 64 + 1) * block
-    pool = kv.with_pool(kv.bytes_vllm, "max_num_seqs").pool
+    pool = kv.with_pool(kv.bytes_vllm, "max_num_seqs", VLLM_RULES).pool
     assert pool.full_length_sequences == 8 and "the rest wait" not in pool.guarantee()
 
 
@@ -100,7 +101,7 @@ def test_a_pool_without_a_block_size_counts_whole_sequences():
     kv = estimate_kv(SMOLLM2, max_model_len=1000, max_num_seqs=4)
     per_sequence = 1000 * 30 * 2 * 3 * 64 * 2
     assert kv.sequence_bytes == per_sequence and kv.block_bytes == 0
-    pool = kv.with_pool(3 * per_sequence + 5, "kv_cache_memory").pool
+    pool = kv.with_pool(3 * per_sequence + 5, "kv_cache_memory", VLLM_RULES).pool
     assert pool.full_length_sequences == 3 and pool.num_blocks == 0 and pool.tokens == 3000
 
 

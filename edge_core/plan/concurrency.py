@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .gates import Owner
 from .pool import largest_pool
 
 if TYPE_CHECKING:
@@ -26,9 +27,7 @@ MAX_SEQUENCES_SEARCHED = 4096
 def full_context_sequences(plan: Plan, registry: Registry | None = None) -> int:
     """The most sequences of ``max_model_len`` tokens one pool on the selected device's capacity holds (0 if refused).
 
-    The pool's blocks are the plan's (its engine's rules); ``registry`` is
-    accepted for callers that name the backend, and is not needed: the plan
-    carries the arithmetic.
+    The pool is carved by the engine rules of the device's backend in ``registry`` (vLLM's without one).
     """
     if not plan.admitted or plan.kv is None or plan.capacity_bytes is None or plan.manifest is None:
         return 0
@@ -36,5 +35,5 @@ def full_context_sequences(plan: Plan, registry: Registry | None = None) -> int:
     kv = plan.kv
     most = kv.sequence_bytes * MAX_SEQUENCES_SEARCHED + kv.block_bytes
     pool = largest_pool(kv, list(plan.reservations), device.memory_pool, plan.capacity_bytes, most_bytes=most)
-    fitted = kv.with_pool(pool, "fit").pool if pool else None
+    fitted = kv.with_pool(pool, "fit", Owner.of(device, registry).rules()).pool if pool else None
     return min(fitted.full_length_sequences, MAX_SEQUENCES_SEARCHED) if fitted is not None else 0

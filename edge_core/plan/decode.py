@@ -260,9 +260,9 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
         if not fitted:  # not one token's blocks: refused at the model's own context, with the remedy
             kv = sizing.estimate(session)
             if session.kv_cache_memory_bytes is None:
-                return sizing.outcome(session, kv.with_pool(kv.sequence_bytes + kv.block_bytes, "one_sequence"),
-                                      mode, notes)
-            kv = kv.with_pool(session.kv_cache_memory_bytes, "kv_cache_memory")
+                return sizing.outcome(session, kv.with_pool(kv.sequence_bytes + kv.block_bytes, "one_sequence",
+                                                                  sizing.rules), mode, notes)
+            kv = kv.with_pool(session.kv_cache_memory_bytes, "kv_cache_memory", sizing.rules)
             return sizing.outcome(session, kv, mode, notes,
                                   (pool_too_small_refusal(device, manifest, session, kv, sizing.rules),))
         session = with_context(session, fitted)
@@ -270,9 +270,9 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
     kv = sizing.estimate(session)
     asked = session.kv_cache_memory_bytes
     if asked is not None and asked < kv.sequence_bytes + kv.block_bytes:
-        kv = kv.with_pool(asked, "kv_cache_memory")
+        kv = kv.with_pool(asked, "kv_cache_memory", sizing.rules)
         return sizing.outcome(session, kv, mode, notes, (pool_too_small_refusal(device, manifest, session, kv, sizing.rules),))
-    kv, shrunk = choose_pool(kv, session, sizing.passes(session), sizing.largest(session))
+    kv, shrunk = choose_pool(kv, session, sizing.passes(session), sizing.largest(session), sizing.rules)
     if shrunk and kv.pool is not None and kv.pool.source == "fit":
         notes += (f"{device.device_id}: a KV pool for {session.max_num_seqs} sequences at full context "
                   f"({kv.bytes_vllm / 2**30:.2f} GiB) does not fit beside everything else; the pool is the largest "
@@ -327,7 +327,7 @@ class _PoolSizing:
             room = self.room()
             if room is None:
                 return kv.bytes_vllm
-            terms = list(self.budget(session, kv.with_pool(kv.bytes_vllm, "max_num_seqs")).reservations)
+            terms = list(self.budget(session, kv.with_pool(kv.bytes_vllm, "max_num_seqs", self.rules)).reservations)
             return largest_pool(kv, terms, self.device.memory_pool, room, ranks=self.ranks)
         return largest
 
@@ -347,7 +347,7 @@ class _PoolSizing:
             return fitted, (f"the longest one sequence can hold in --kv-cache-memory {asked / 2**20:,.0f} MiB "
                             f"(vLLM's auto-fit, of {native:,})")
         room = self.room()
-        least = kv.with_pool(kv.sequence_bytes + kv.block_bytes, "one_sequence")
+        least = kv.with_pool(kv.sequence_bytes + kv.block_bytes, "one_sequence", self.rules)
         if room is None or self.passes(session)(least):
             return native, "the model's own context: one sequence of it fits beside everything else"
         terms = list(self.budget(session, least).reservations)

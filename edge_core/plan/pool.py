@@ -95,7 +95,7 @@ def with_context(session: SessionSpec, max_model_len: int) -> SessionSpec:
 
 
 def choose_pool(kv: KVEstimate, session: SessionSpec, passes: Callable[[KVEstimate], bool],
-                largest: Callable[[KVEstimate], int]) -> tuple[KVEstimate, bool]:
+                largest: Callable[[KVEstimate], int], rules: EngineRules) -> tuple[KVEstimate, bool]:
     """``kv`` with the pool this session gets, and whether the pool had to be smaller than it asks for.
 
     ``passes(kv)`` says whether a plan with ``kv``'s pool passes every gate;
@@ -108,21 +108,21 @@ def choose_pool(kv: KVEstimate, session: SessionSpec, passes: Callable[[KVEstima
     the pool it asked for: no smaller pool would mend it.
     """
     if session.kv_cache_memory_bytes is not None:
-        return kv.with_pool(session.kv_cache_memory_bytes, "kv_cache_memory"), False
-    asked = kv.with_pool(kv.bytes_vllm, "max_num_seqs")
+        return kv.with_pool(session.kv_cache_memory_bytes, "kv_cache_memory", rules), False
+    asked = kv.with_pool(kv.bytes_vllm, "max_num_seqs", rules)
     if passes(asked):
         return asked, False
-    least = kv.with_pool(kv.sequence_bytes + kv.block_bytes, "one_sequence")
+    least = kv.with_pool(kv.sequence_bytes + kv.block_bytes, "one_sequence", rules)
     fit = largest(kv)
     if not fit:
         return least, True
-    fitted = kv.with_pool(fit, "fit")
+    fitted = kv.with_pool(fit, "fit", rules)
     if passes(fitted):
         return fitted, True
     if not passes(least):
         return asked, False  # refused even at the least pool: no smaller pool mends what refused it
     unit = pool_unit(kv)
     lo = least.pool.bytes if least.pool is not None else 0
-    steps = largest_fitting(lambda step: passes(kv.with_pool(lo + (step - 1) * unit, "fit")),
+    steps = largest_fitting(lambda step: passes(kv.with_pool(lo + (step - 1) * unit, "fit", rules)),
                             (fit - lo) // unit + 1)
-    return kv.with_pool(lo + (steps - 1) * unit, "fit"), True
+    return kv.with_pool(lo + (steps - 1) * unit, "fit", rules), True

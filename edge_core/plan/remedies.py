@@ -137,7 +137,7 @@ def capacity_refusal(device: Device, manifest: Manifest, session: SessionSpec, k
     context = (f"--max-model-len auto ({fits:,} tokens: the longest one sequence can hold in the largest KV pool "
                f"that fits, {room}), or --max-model-len {fits}") if fits else ""
     if smaller:
-        fitted = kv.with_pool(smaller, "fit").pool
+        fitted = kv.with_pool(smaller, "fit", rules).pool
         assert fitted is not None
         remedy = (f"--kv-cache-memory {size_flag(smaller, fitted.min_bytes)} fits ({room}; it "
                   f"{fitted.guarantee()}); or use a smaller or quantized build, or a device with more memory")
