@@ -76,3 +76,25 @@ def test_a_host_that_holds_the_held_peak_but_not_the_file_pages_admits(cpu_regis
     plan = make_plan(str(llama1b), session=SessionSpec(max_model_len=4096), host=host(tight),
                      devices=cpu_registry.probe(host(tight)), registry=cpu_registry)
     assert plan.admitted, [r.message for r in plan.refusals]
+
+
+def test_the_largest_pool_is_cut_to_the_numa_node_vllm_checks_it_against(cpu_registry, tmp_path):
+    # 256 sequences of 8,192 tokens would take 45 GiB; the host has 28 GiB available but vLLM CPU checks the pool
+    # against node 0 (4 GiB reclaimable): the pool is the largest that passes that gate too, not a refusal.
+    from edge_core.host import NumaNode
+    from edge_core.runtime.admission import make_plan
+
+    factories = pytest.importorskip("factories", reason="the checkout's tests/factories.py is not here")
+    config = factories.KNOWN_CONFIGS["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    factories.write_checkpoint(tmp_path, dict(config), factories.llama_like_tensors(config))
+    nodes = (NumaNode(0, 16 * GIB, 4 * GIB, (0, 1)), NumaNode(1, 16 * GIB, 15 * GIB, (2, 3)))
+    facts = HostFacts(system="linux", mem_total_bytes=32 * GIB, mem_available_bytes=28 * GIB,
+                      cgroup_limit_bytes=None, cgroup_usage_bytes=None, logical_cores=4, physical_cores=4,
+                      cpu_model="x", machine="x86_64", isa_flags=("avx2", "avx512f", "avx512_bf16"), numa_nodes=nodes)
+    plan = make_plan(str(tmp_path), session=SessionSpec(max_model_len=8192, max_num_seqs=256), host=facts,
+                     devices=cpu_registry.probe(facts), registry=cpu_registry)
+    assert plan.admitted, [r.message for r in plan.refusals]
+    block = factories.vllm_block_bytes(config, 128)
+    pool = plan.kv.pool
+    assert pool.source == "fit" and pool.bytes <= 4 * GIB < pool.bytes + block  # one block more: over the node
+    assert pool.full_length_sequences == (pool.bytes // block - 1) // 64
