@@ -74,7 +74,9 @@ class SessionRecord:
     held peak plus headroom. ``predicted_peak_bytes`` is what its tree PSS may
     read (file pages included), ``held_peak_bytes`` what it must hold.
     ``measured_current_bytes`` / ``measured_peak_bytes`` are the session's
-    own host-RAM figures (tree PSS), updated while it runs. ``kv_pool_bytes``
+    own host-RAM figures (tree PSS), updated while it runs, and
+    ``measured_held_bytes`` the tree PSS less its file pages (None where not
+    measured: a graph stage, a version-1 record). ``kv_pool_bytes``
     is its KV pool as planned (every rank on its device), ``kv_cache_usage``
     the share of it in use (0..1, the engine's ``vllm:kv_cache_usage_perc``)
     where the session reports it (``edge serve``), else None.
@@ -101,6 +103,7 @@ class SessionRecord:
     held_peak_bytes: int = 0
     kv_pool_bytes: int = 0
     kv_cache_usage: float | None = None
+    measured_held_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +116,7 @@ class SessionRecord:
             "measured_current_bytes": self.measured_current_bytes, "measured_peak_bytes": self.measured_peak_bytes,
             "updated_at": self.updated_at, "uid": self.uid, "held_peak_bytes": self.held_peak_bytes,
             "kv_pool_bytes": self.kv_pool_bytes, "kv_cache_usage": self.kv_cache_usage,
+            "measured_held_bytes": self.measured_held_bytes,
         }
 
     @classmethod
@@ -173,13 +177,20 @@ class SessionRecord:
             held_peak_bytes=integer("held_peak_bytes") if "held_peak_bytes" in doc else 0,
             kv_pool_bytes=integer("kv_pool_bytes") if "kv_pool_bytes" in doc else 0,
             kv_cache_usage=float(usage) if usage is not None else None,
+            measured_held_bytes=integer("measured_held_bytes") if doc.get("measured_held_bytes") is not None else None,
         )
 
     def unseen_bytes(self, pool: str) -> int:
-        """What this session holds on ``pool`` that the pool's capacity figure does not show as used yet."""
+        """What this session holds on ``pool`` that the pool's capacity figure does not show as used yet.
+
+        On host RAM the reservation (held peak + headroom) less what the session
+        measurably holds so far: its tree PSS less file pages, which available
+        memory still counts as free (the whole PSS for a record without it).
+        """
         reserved = int(self.reserved_bytes.get(pool, 0))
         if pool == HOST_POOL:
-            return max(reserved - self.measured_current_bytes, 0)
+            taken = self.measured_held_bytes if self.measured_held_bytes is not None else self.measured_current_bytes
+            return max(reserved - taken, 0)
         return reserved  # a private pool's capacity is its total: nothing it holds is "visible"
 
     def describe(self) -> str:
@@ -363,17 +374,32 @@ WATCH_PERIOD_S = 1.0
 
 def tree_pss_bytes(root: int, pids: list[int]) -> int:
     """PSS of ``root`` and ``pids`` from ``/proc/<pid>/smaps_rollup`` (0 for a process that is gone)."""
-    total = 0
+    return tree_memory(root, pids)[0]
+
+
+def tree_memory(root: int, pids: list[int]) -> tuple[int, int]:
+    """(PSS, PSS less file pages) of ``root`` and ``pids`` from ``/proc/<pid>/smaps_rollup``.
+
+    The second is what the tree holds (``Pss`` less ``Pss_File``: anonymous
+    memory and shmem), the part of the PSS an admission counts; a kernel without
+    ``Pss_File`` gives the whole PSS for it.
+    """
+    total = held = 0
     for pid in (root, *pids):
         try:
             with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+                pss = file_pages = 0
                 for line in f:
                     if line.startswith(b"Pss:"):
-                        total += int(line.split()[1]) * 1024
+                        pss = int(line.split()[1]) * 1024
+                    elif line.startswith(b"Pss_File:"):
+                        file_pages = int(line.split()[1]) * 1024
                         break
         except (OSError, ValueError, IndexError):
             continue
-    return total
+        total += pss
+        held += max(pss - file_pages, 0)
+    return total, held
 
 
 class Registration:
@@ -405,9 +431,9 @@ class Registration:
                 children = [p.pid for p in me.children(recursive=True)]
             except psutil.Error:
                 continue
-            current = tree_pss_bytes(me.pid, children)
+            current, held = tree_memory(me.pid, children)
             self.add_processes(children)
-            self.update(measured_current_bytes=current,
+            self.update(measured_current_bytes=current, measured_held_bytes=held,
                         measured_peak_bytes=max(current, self.record.measured_peak_bytes))
 
     def update(self, **changes: Any) -> None:
