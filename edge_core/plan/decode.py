@@ -291,7 +291,7 @@ class _PoolSizing:
         self.ranks = share.ranks_here if share is not None else 1
         self.capacity, _ = capacity_of(device, host, devices)
         self.committed = ledger.committed_bytes(pool_key(device)) if ledger is not None else 0
-        self.budgets: dict[tuple[int, int, int], Budget] = {}
+        self.budgets: dict[tuple[int, int, int, str], Budget] = {}
 
     def estimate(self, session: SessionSpec) -> KVEstimate:
         block = self.device.extras.get("kv_block_size")
@@ -304,7 +304,8 @@ class _PoolSizing:
                            concurrent_batches=share.layout.pp if share else 1, rules=self.rules)
 
     def budget(self, session: SessionSpec, kv: KVEstimate) -> Budget:
-        key = (int(session.max_model_len or 0), int(session.max_num_batched_tokens or 0), kv.pool_bytes)
+        key = (int(session.max_model_len or 0), int(session.max_num_batched_tokens or 0), kv.pool_bytes,
+               kv.pool.source if kv.pool is not None else "")
         if key not in self.budgets:
             self.budgets[key] = backend_budget(
                 self.owner, core_reservations(self.device, self.manifest, session, kv, self.share),
