@@ -34,6 +34,8 @@ REFUSAL_CODES = (
     "serve_unsupported",
     "architecture_unsupported",
     "runtime_dependency_missing",
+    # A GGUF file (llama.cpp's format), which vLLM does not load: `edge import` converts it (artifact/gguf.py):
+    "gguf_needs_import",
     # A model named by Hub id (edge_core/artifact/hub.py):
     "model_not_found",
     "model_gated",

