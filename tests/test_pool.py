@@ -270,7 +270,7 @@ def test_max_model_len_takes_auto_or_a_number():
         context_length("0")
 
 
-@pytest.mark.parametrize("command", ["plan", "run", "serve", "accept", "parity"])
+@pytest.mark.parametrize("command", ["plan", "run", "chat", "serve", "accept", "parity"])
 def test_every_planning_command_takes_the_pool_and_auto(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
