@@ -31,10 +31,12 @@ LLAMA8B = KNOWN_CONFIGS["meta-llama/Llama-3.1-8B"]
 
 #: vLLM 0.32 on this project's 2-core VM, SmolLM2-135M-Instruct, bf16, vLLM CPU's block of 128 tokens
 #: (docs/vllm-cpu-facts.md, "The KV pool and auto-fit"): ``max_model_len=-1`` with
-#: ``kv_cache_memory_bytes=64 MiB`` logged "Auto-fit max_model_len: reduced from 8192 to 2688", and its own
-#: default pool at 8,192 tokens "GPU KV cache size: 956,160 tokens, Maximum concurrency for 8,192 tokens per
-#: request: 116.72x".
+#: ``kv_cache_memory_bytes=64 MiB`` logged "Auto-fit max_model_len: reduced from 8192 to 2688" and "CPU KV cache
+#: size: 2,816 tokens, Maximum concurrency for 2,688 tokens per request: 1.05x" (22 blocks); its own default
+#: pool at 8,192 tokens logged "KV cache size: 956,160 tokens, Maximum concurrency for 8,192 tokens per
+#: request: 116.72x" (issue 36's note).
 VLLM_AUTO_FIT_64MIB = 2688
+VLLM_TOKENS_64MIB, VLLM_CONCURRENCY_64MIB, VLLM_BLOCKS_64MIB = 2816, 1.05, 22
 VLLM_TOKENS_8192, VLLM_CONCURRENCY_8192 = 956_160, 116.72
 
 #: What `edge plan --model Llama-3.1-8B --devices devices-rtx5090-laptop.json` (no context given: 131,072) named as
@@ -90,6 +92,11 @@ def test_the_pool_for_max_num_seqs_is_the_charge_of_that_many_full_sequences():
 def test_auto_fit_on_64_mib_is_what_vllm_logged():
     assert vllm_auto_fit(SMOLLM2, 64 * MIB, 128) == VLLM_AUTO_FIT_64MIB  # the formula agrees with vLLM's run
     assert max_model_len_for(SMOLLM2, 64 * MIB, block_size=128) == VLLM_AUTO_FIT_64MIB
+    # ... and the pool at the fitted length reads as vLLM logged it.
+    pool = smollm2_pool(64 * MIB, max_model_len=VLLM_AUTO_FIT_64MIB)
+    assert (pool.num_blocks, pool.tokens, pool.max_concurrency) == (
+        VLLM_BLOCKS_64MIB, VLLM_TOKENS_64MIB, VLLM_CONCURRENCY_64MIB)
+    assert pool.full_length_sequences == 1
 
 
 @pytest.mark.parametrize("pool_mib", [8, 37, 64, 100, 512])
