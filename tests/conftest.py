@@ -88,11 +88,29 @@ def demo_server():
         shared.close()
 
 
+#: The KV pool ``demo_run`` hands vLLM: two of its blocks of 128 tokens (vLLM CPU's block), so vLLM's auto-fit
+#: leaves one block, 128 tokens, to one sequence (the other is the pool's null block).
+DEMO_RUN_CONTEXT = 128
+
+
+def demo_run_pool_bytes(model: Path) -> int:
+    """Two of ``model``'s KV blocks of :data:`DEMO_RUN_CONTEXT` tokens, by vLLM's formula (tests/factories.py)."""
+    import json
+
+    from factories import vllm_block_bytes
+
+    return 2 * vllm_block_bytes(json.loads((Path(model) / "config.json").read_text()), DEMO_RUN_CONTEXT)
+
+
 @pytest.fixture(scope="session")
 def demo_run(demo_model):
     """One ``edge run`` of the demo model (SmolLM2, real weights) asked a question through its chat template, for
     more tokens than its 128-token context holds, its logs in a private tmp: (the finished process, that tmp).
-    Read by tests/test_run.py and tests/test_newcomer.py."""
+    Read by tests/test_run.py and tests/test_newcomer.py.
+
+    The context is ``--max-model-len auto`` on a pool of two blocks (:func:`demo_run_pool_bytes`): the same
+    128 tokens and the same pool as ``--max-model-len 128``, planned the way vLLM's auto-fit would fit it.
+    """
     import shutil
     import subprocess
 
@@ -100,8 +118,8 @@ def demo_run(demo_model):
 
     tmp = short_tmp("edge-run-")  # vLLM's ZMQ sockets go under TMPDIR: pytest's nested paths can be too long
     proc = subprocess.run(
-        [sys.executable, "-m", "edge_core", "run", "--max-model-len", "128", "--max-tokens", "500", "--ignore-eos",
-         "--prompt", DEMO_QUESTION],
+        [sys.executable, "-m", "edge_core", "run", "--max-model-len", "auto", "--kv-cache-memory",
+         str(demo_run_pool_bytes(demo_model)), "--max-tokens", "500", "--ignore-eos", "--prompt", DEMO_QUESTION],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
         env={**os.environ, "EDGE_PROBE_TIMEOUT_S": "5", "TMPDIR": str(tmp)})
     yield proc, tmp

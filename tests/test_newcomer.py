@@ -111,8 +111,8 @@ def test_serve_help_gives_the_max_num_seqs_default_serve_uses():
 
     serve = " ".join(edge("serve", "--help").stdout.split())
     plan = " ".join(edge("plan", "--help").stdout.split())
-    assert f"--max-num-seqs N sequences decoded at once; sizes the KV pool (default {SERVE_MAX_NUM_SEQS})" in serve
-    assert "--max-num-seqs N sequences decoded at once; sizes the KV pool (default 1)" in plan
+    assert f"--max-num-seqs N sequences decoded at once; the rest wait (default {SERVE_MAX_NUM_SEQS})" in serve
+    assert "--max-num-seqs N sequences decoded at once; the rest wait (default 1)" in plan
 
 
 # ---------------------------------------------------------------- 5: one prefix, the command's usage, --version
@@ -300,7 +300,7 @@ def test_the_plan_table_keeps_its_columns_for_the_longest_purpose():
 def test_a_refusals_budget_line_is_in_mib_as_explain_is(capsys, monkeypatch):
     monkeypatch.setenv("EDGE_PLUGINS", "none-installed")
     listed = ROOT / "tests" / "data" / "devices-cpu-32g.json"
-    assert main(["plan", "--devices", str(listed), "--max-model-len", "2048", "--max-num-seqs", "16384"]) == 2
+    assert main(["plan", "--devices", str(listed), "--max-model-len", "2048", "--kv-cache-memory", "64GiB"]) == 2
     out = capsys.readouterr().out
     [line] = [line for line in out.splitlines() if line.startswith("  budget ")]
     assert "GiB" not in line and re.search(r"needs [\d,]+ MiB of [\d,]+ MiB", line), line

@@ -170,8 +170,9 @@ def budget_lines(memory: Mapping[str, Any]) -> list[str]:
     lines = [
         f"budget    predicted session peak {mib(memory['predicted_peak_bytes'])} vs measured attributable "
         f"{counter.replace('_', '-').replace('tree-pss', 'tree-PSS')} peak {mib(memory['measured_attributable_bytes'])}: "
-        f"ratio {shown} ({memory['verdict']}); full admission budget {mib(memory['admission_bytes'])} "
-        f"(+{mib(memory['headroom_bytes'])} headroom)",
+        f"ratio {shown} ({memory['verdict']}); admitted on held peak {mib(memory.get('held_peak_bytes'))} "
+        f"+ {mib(memory['headroom_bytes'])} headroom = {mib(memory['admission_bytes'])} (the predicted peak adds "
+        "file pages the kernel reclaims)",
     ]
     others = []
     for name, entry in memory["counters"].items():
