@@ -300,7 +300,8 @@ def test_the_plan_table_keeps_its_columns_for_the_longest_purpose():
 def test_a_refusals_budget_line_is_in_mib_as_explain_is(capsys, monkeypatch):
     monkeypatch.setenv("EDGE_PLUGINS", "none-installed")
     listed = ROOT / "tests" / "data" / "devices-cpu-32g.json"
-    assert main(["plan", "--devices", str(listed), "--max-model-len", "2048", "--kv-cache-memory", "64GiB"]) == 2
+    assert main(["plan", "--model", str(DEMO_MODEL), "--devices", str(listed), "--max-model-len", "2048",
+                 "--kv-cache-memory", "64GiB"]) == 2
     out = capsys.readouterr().out
     [line] = [line for line in out.splitlines() if line.startswith("  budget ")]
     assert "GiB" not in line and re.search(r"needs [\d,]+ MiB of [\d,]+ MiB", line), line

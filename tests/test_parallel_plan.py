@@ -331,7 +331,8 @@ def test_device_ids_restrict_the_candidates(capsys, checkpoints):
     code, doc = _plan(capsys, "--model", str(path), "--devices", str(DATA / "devices-8xh100.json"),
                       "--device-ids", "cuda:5,cuda:6", "--tensor-parallel-size", "2")
     assert code == 0 and [r["device_id"] for r in doc["parallel"]["ranks"]] == ["cuda:5", "cuda:6"]
-    assert main(["plan", "--devices", str(DATA / "devices-8xh100.json"), "--device-ids", "cuda:9"]) == 64
+    assert main(["plan", "--model", str(path), "--devices", str(DATA / "devices-8xh100.json"),
+                 "--device-ids", "cuda:9"]) == 64
     assert "no device is named cuda:9" in capsys.readouterr().err
 
 

@@ -371,12 +371,14 @@ def run_graph(args: argparse.Namespace, plan: Plan, registry: Registry, plan_s: 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # Without --model the demo is run: a prompt that is a usage error is said before the demo is built or refused.
+    early = prompt_from(args) if args.model is None and not headless(args) else None
     plan, registry, plan_s = plan_here(args)
     if headless(args):
         return run_node(args, plan, registry, plan_s, "run")
     if isinstance(plan, GraphStagePlan) or (plan.manifest is not None and plan.manifest.kind == "onnx"):
         return run_graph(args, plan, registry, plan_s)
-    prompt = prompt_from(args)
+    prompt = early if early is not None else prompt_from(args)
     if not plan.admitted:
         return refused(args, plan, plan_s, "run")
     as_chat = not args.raw and chat_template_of(plan) is not None

@@ -99,14 +99,28 @@ def start(device: Any, plan: Any) -> TransformersStage:
     )
 
 
+def _chat_ids(tokenizer: Any, request: StageRequest) -> list[int]:
+    """A conversation rendered by the model's own chat template, the assistant's turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise StageError(f"request {request.request_id} is a conversation, and this model's tokenizer has no "
+                         "chat template; send a prompt instead")
+    text = tokenizer.apply_chat_template([dict(turn) for turn in request.messages or ()], tokenize=False,
+                                         add_generation_prompt=True)
+    # The template writes the special tokens (BOS among them) itself.
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 def stream(stage: TransformersStage, request: StageRequest) -> Iterator[DeltaEvent]:
     """Validate and register ``request`` now (so a cancel before the first token counts); generate lazily."""
     if stage.stopped:
         raise StageError(f"{BACKEND} stage on {stage.executed_on} is stopped; start a new one")
-    if request.inputs is not None and request.prompt is None and request.prompt_token_ids is None:
+    if request.inputs is not None and all(
+            text is None for text in (request.prompt, request.prompt_token_ids, request.messages)):
         raise StageError(f"{BACKEND} runs text stages; request {request.request_id} carries tensors only")
     if request.prompt_token_ids is not None:
         prompt_ids = [int(t) for t in request.prompt_token_ids]
+    elif request.messages is not None:
+        prompt_ids = _chat_ids(stage.tokenizer, request)
     else:
         prompt_ids = list(stage.tokenizer(request.prompt).input_ids)
     if not prompt_ids:

@@ -119,6 +119,23 @@ def test_seeded_sampling_repeats_and_token_ids_prompt_works(stage):
 
 
 @pytest.mark.slow
+def test_a_conversation_is_rendered_by_the_models_template(stage):
+    turns = ({"role": "user", "content": "Hello there"},)
+    # tiny-llama's template writes each turn as <|role|>, newline, content, newline, then opens the assistant's.
+    assert "<|assistant|>" in stage.tokenizer.chat_template
+    rendered = stage.tokenizer("<|user|>\nHello there\n<|assistant|>\n", add_special_tokens=False).input_ids
+    as_chat = [t for e in _stage.stream(stage, request(prompt=None, messages=turns)) for t in e.token_ids]
+    as_ids = [t for e in _stage.stream(stage, request(prompt=None, prompt_token_ids=rendered)) for t in e.token_ids]
+    assert as_chat == as_ids and len(as_chat) == 6
+    template, stage.tokenizer.chat_template = stage.tokenizer.chat_template, None
+    try:
+        with pytest.raises(StageError, match="no chat template"):
+            _stage.stream(stage, request(prompt=None, messages=turns))
+    finally:
+        stage.tokenizer.chat_template = template
+
+
+@pytest.mark.slow
 def test_a_request_longer_than_the_plan_is_a_named_error(stage):
     with pytest.raises(StageError, match="max_model_len 64"):
         _stage.stream(stage, request(max_tokens=63))
