@@ -103,20 +103,21 @@ def graph_terms(doc: dict) -> dict[str, int]:
     return {r["purpose"]: r["bytes"] for r in doc["reservations"] if r["purpose"].startswith("cuda_graph")}
 
 
-def test_the_demo_plans_compiled_by_default_and_eager_when_asked(installed):
-    compiled = plan()
+def test_tiny_llama_plans_compiled_by_default_and_eager_when_asked(installed):
+    tiny = ("--model", str(DEMO_MODEL))
+    compiled = plan(*tiny)
     assert compiled["execution"]["mode"] == "compiled" and compiled["execution"]["source"] == "backend"
     assert compiled["engine_kwargs"]["enforce_eager"] is False and compiled["session"]["enforce_eager"] is False
     assert compiled["execution"]["cudagraph_capture_sizes"] == [1, 2]
     one = graph_terms(compiled)
     assert set(one) == {"cuda_graph_pool", "cuda_graph_nodes"} and all(v > 0 for v in one.values())
-    many = graph_terms(plan("--max-num-seqs", "64"))
+    many = graph_terms(plan(*tiny, "--max-num-seqs", "64"))
     assert many["cuda_graph_pool"] > one["cuda_graph_pool"] and many["cuda_graph_nodes"] > one["cuda_graph_nodes"]
-    eager = plan("--enforce-eager")
+    eager = plan(*tiny, "--enforce-eager")
     assert eager["execution"] == {"mode": "eager", "enforce_eager": True, "source": "--enforce-eager",
                                   "reason": eager["execution"]["reason"], "cudagraph_capture_sizes": []}
     assert eager["engine_kwargs"]["enforce_eager"] is True and graph_terms(eager) == {}
-    assert plan("--compile")["execution"]["source"] == "--compile"
+    assert plan(*tiny, "--compile")["execution"]["source"] == "--compile"
 
 
 def test_llama8b_graph_terms_grow_with_max_num_seqs_layers_and_hidden_size(installed, llama8b):
@@ -132,9 +133,10 @@ def test_llama8b_graph_terms_grow_with_max_num_seqs_layers_and_hidden_size(insta
     # layers + 1 pieces and the 11 FULL sizes <= 64 of all layers, per layer covered.
     assert half["cuda_graph_pool"] == many["cuda_graph_pool"]
     assert many["cuda_graph_nodes"] * (19 * 17 + 11 * 16) == half["cuda_graph_nodes"] * (19 * 33 + 11 * 32)
-    # The pool's growth with the captured tokens is per hidden-size vector: the demo (hidden 128, bf16, the same
+    # The pool's growth with the captured tokens is per hidden-size vector: tiny-llama (hidden 128, bf16, the same
     # capture sizes) grows by 128/4096 of Llama's.
-    demo_one, demo_many = graph_terms(plan()), graph_terms(plan("--max-num-seqs", "64"))
+    tiny = ("--model", str(DEMO_MODEL))
+    demo_one, demo_many = graph_terms(plan(*tiny)), graph_terms(plan(*tiny, "--max-num-seqs", "64"))
     assert ((many["cuda_graph_pool"] - one["cuda_graph_pool"]) * 128
             == (demo_many["cuda_graph_pool"] - demo_one["cuda_graph_pool"]) * 4096)
     eager = plan("--model", model, "--max-model-len", "1024", "--max-num-seqs", "64", "--enforce-eager")
