@@ -5,13 +5,15 @@ One checkpoint, one set of engine arguments (``engine_kwargs`` from ``edge plan
 weights with its seeded random values, the same in both runs), two engines, one
 at a time, in alternating order (pair 1 plain first, pair 2 edge first, ...).
 Each engine runs in a child process of this script with edge's runtime
-environment (``edge_core.runtime.env``); what differs is vLLM's general
-plugins: the plain run loads only ``edge_cpu_amx`` (AMX permission: the
-engine dies without it on this host, and it holds no memory), the edge run
-loads every edge-cpu plugin as ``edge run`` does (heap trim, packing levers;
-``--edge-env EDGE_CPU_ONE_TABLE=0`` turns one off). From outside both, the
-child's process tree (front end, engine core, worker) is sampled every 0.1 s
-for PSS. Each child measures
+environment (``edge_core.runtime.env``) and the plan's process layout (its
+``execution.env``: one process for one vLLM CPU rank, as ``edge run`` runs it);
+what differs is edge's engine mark (``EDGE_ENGINE``): the edge run has it, as
+every engine edge starts, so edge-cpu's vLLM plugins act (heap trim, packing
+levers; ``--edge-env EDGE_CPU_ONE_TABLE=0`` turns one off); the plain run
+has not, so none of them does and vLLM is as it ships (edge-cpu's AMX
+permission request excepted: a fix vLLM needs on AMX hosts, not a lever,
+plugins/edge_cpu/README.md). From outside both, the child's process tree is
+sampled every 0.1 s for PSS. Each child measures
 
 * prefill: a ``--prefill-tokens`` (1,024) token prompt, one output token, median of
   ``--prefill-repeats`` (3) after one unmeasured warm-up; each repeat is a different prompt (the same
@@ -104,12 +106,13 @@ def build(out: Path, name: str) -> Path:
 
 
 def engine_kwargs(edge: str, model: Path, max_model_len: int) -> dict:
+    """The plan's engine arguments with ``load_format="dummy"``, and its process layout's environment as ``_env``."""
     out = subprocess.run([edge, "plan", "--model", str(model), "--max-model-len", str(max_model_len), "--json"],
                          capture_output=True, text=True, check=False)
     plan = json.loads(out.stdout)
     if not plan.get("admitted"):
         raise SystemExit(f"edge plan refused {model}: {plan.get('refusals')}")
-    return dict(plan["engine_kwargs"], load_format="dummy")
+    return dict(plan["engine_kwargs"], load_format="dummy", _env=(plan.get("execution") or {}).get("env") or {})
 
 
 # ---------------------------------------------------------------- the child: one engine
@@ -134,9 +137,7 @@ def tree_minflt(pid: int) -> int:
 def child(side: str, kwargs: dict, prefill_tokens: int, decode_tokens: int, prefill_repeats: int = 3) -> None:
     from edge_core.runtime.env import apply_runtime_env
 
-    apply_runtime_env()
-    if side == "plain":
-        os.environ["VLLM_PLUGINS"] = "edge_cpu_amx"
+    apply_runtime_env(edge_engine=side == "edge", layout_env=kwargs.pop("_env", {}), layout_why="the plan's")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
