@@ -144,6 +144,16 @@ class ChargeSettings:
     mamba_cache_mode: str | None
 
 
+@dataclass(frozen=True)
+class ProcessLayout:
+    """How many processes an engine runs a session in: inside edge's own (``in_process``) or apart, why, and the
+    environment that layout sets before the engine is imported (the same for edge's engine and a plain reference)."""
+
+    in_process: bool
+    reason: str
+    env: Mapping[str, str]
+
+
 class EngineRules(Protocol):
     """An engine's answers to the planner, each pure arithmetic over the values it is handed."""
 
@@ -165,6 +175,10 @@ class EngineRules(Protocol):
 
     def charge_note(self, settings: ChargeSettings, in_flight: str, rounding: str) -> str:
         """One line saying how :meth:`charge_bytes` counts, for the estimate's ``rules``."""
+
+    def engine_processes(self, device: Device, session: SessionSpec, world_size: int,
+                         host: HostFacts | None) -> ProcessLayout:
+        """Whether ``session`` on ``device`` runs inside edge's own process (``world_size`` ranks), why, and its env."""
 
     def launch_env(self, device: Device, layout: Layout, session: SessionSpec, host: HostFacts | None,
                    devices: list[Device]) -> tuple[dict[str, str], str | None]:

@@ -17,7 +17,7 @@ from . import vllm_allocator, vllm_launch
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..engine import ChargeSettings, KVLayout
+    from ..engine import ChargeSettings, KVLayout, ProcessLayout
     from ..host import HostFacts
     from ..layout import Layout
     from ..plans import SessionSpec
@@ -48,6 +48,10 @@ class VllmRules:
 
     def charge_note(self, settings: ChargeSettings, in_flight: str, rounding: str) -> str:
         return vllm_allocator.charge_note(in_flight, rounding)
+
+    def engine_processes(self, device: Device, session: SessionSpec, world_size: int,
+                         host: HostFacts | None) -> ProcessLayout:
+        return vllm_launch.engine_processes(device, session, world_size, host)
 
     def launch_env(self, device: Device, layout: Layout, session: SessionSpec, host: HostFacts | None,
                    devices: list[Device]) -> tuple[dict[str, str], str | None]:

@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ..engines.vllm_launch import EXECUTOR_UNI
 from ..errors import ArtifactError, UsageError
 from ..plans import STAGE_ONLY_KINDS, DeviceVerdict, ExecutionMode, Plan, Refusal, SessionSpec
-from .execution import execution_mode, with_mode
+from .execution import execution_mode, with_mode, with_processes
 from .gates import Judgement, Owner, Walk, backend_budget, budget_gates, format_gate, walk
 from .kv import estimate_kv
 from .remedies import capacity_refusal, no_backend_refusal, shorter_context_fallbacks
@@ -90,6 +91,8 @@ def resolve_session(manifest: Manifest, session: SessionSpec) -> SessionSpec:
         max_num_batched_tokens=batched,
         kv_dtype=session.kv_dtype,
         enforce_eager=session.enforce_eager,
+        served=session.served,
+        in_process=session.in_process,
     )
 
 
@@ -114,6 +117,8 @@ def engine_kwargs_for(manifest: Manifest, session: SessionSpec, device: Device, 
         "gpu_memory_utilization": round(fraction + 0.005, 2),
         "seed": 0,
     }
+    if session.in_process:  # the engine core and its one worker in the caller's process (the plan's execution)
+        kwargs["distributed_executor_backend"] = EXECUTOR_UNI
     if manifest.dtype in ("bfloat16", "float16", "float32"):
         kwargs["dtype"] = manifest.dtype
     if session.kv_dtype != "auto":
@@ -239,9 +244,11 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
     refusal = format_gate(owner, manifest, owner.formats())
     if refusal is not None:
         return DeviceOutcome(refusals=(refusal,), gate="format", notes=notes)
-    mode = execution_mode(device, manifest, session, owner.registry, owner.installed)
-    session = with_mode(session, mode)
     block, rules = device.extras.get("kv_block_size"), owner.rules()
+    mode = execution_mode(device, manifest, session, owner.registry, owner.installed)
+    mode = with_processes(mode, rules.engine_processes(device, replace(session, enforce_eager=mode.enforce_eager),
+                                                       share.layout.world_size if share else 1, host))
+    session = with_mode(session, mode)
     kv = estimate_kv(manifest.config, max_model_len=int(session.max_model_len or 0),
                      max_num_seqs=session.max_num_seqs, max_num_batched_tokens=session.max_num_batched_tokens,
                      kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
