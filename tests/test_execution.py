@@ -91,10 +91,10 @@ def test_one_unserved_cpu_rank_runs_in_edges_process_with_one_bound_thread_per_c
     host = read_host(host_tree(cores=4, allowed_cpus="0-2"))
     layout = VLLM_RULES.engine_processes(CPU, SessionSpec(), 1, host)
     assert layout.in_process and "uniprocess executor" in layout.reason
-    # What vLLM's multiprocess executor would set for its worker (OMPProcessManager.configure_omp_envs), on every
-    # usable core: no scheduler process needs one of its own.
+    # The variables vLLM's multiprocess executor sets for a worker it spawns (OMPProcessManager.configure_omp_envs),
+    # on every usable CPU (no scheduler process needs one of its own), one thread pinned to each.
     assert dict(layout.env) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "3",
-                                "OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}
+                                "OMP_PLACES": "{0},{1},{2}", "OMP_PROC_BIND": "close"}
 
 
 @pytest.mark.parametrize("device,session,ranks,why", [

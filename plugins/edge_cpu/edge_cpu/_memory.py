@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 #: process tree (PSS, GiB)").
 RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
 #: Tree PSS of a vLLM CPU session whose engine core and worker run in edge's own process (one process) beside its
-#: weights and KV, in bytes (E): the largest read of ``edge run`` on SmolLM2-135M and the demo, rounded up
+#: weights and KV, in bytes (E): 586-611 MiB read from ``edge run`` on the demo and SmolLM2-135M, rounded up
 #: (docs/benchmarks.md, "One process for one user").
-RUNTIME_BASELINE_ONE_PROCESS_BYTES = int(0.80 * 2**30)
+RUNTIME_BASELINE_ONE_PROCESS_BYTES = int(0.62 * 2**30)
 #: What vLLM's compiled mode (torch.compile / inductor, ``enforce_eager=False``) adds to the tree while it
 #: compiles and warms the model up, in bytes (evidence E): 512 MiB covers the 450-500 MiB seen on the demo
 #: (docs/vllm-cpu-facts.md, "What compiled mode and a second rank add"). The compile's code cache is on disk
