@@ -197,6 +197,9 @@ def run_side(side: str, kwargs: dict, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
     if side == "edge":
         env.update(kv.split("=", 1) for kv in args.edge_env)
+    elif args.plain_layout == "separate":  # vLLM's own layout: engine core and worker apart, its own binding
+        kwargs = {k: v for k, v in kwargs.items() if k != "distributed_executor_backend"}
+        kwargs["_env"] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cmd = [sys.executable, __file__, "--child", side, "--kwargs", json.dumps(kwargs),
            "--prefill-tokens", str(args.prefill_tokens), "--decode-tokens", str(args.decode_tokens),
            "--prefill-repeats", str(args.prefill_repeats)]
@@ -246,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-repeats", type=int, default=3, help="measured prefills (distinct prompts), after a warm-up")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--edge-env", action="append", default=[], help="VAR=VALUE for the edge run (repeatable)")
+    ap.add_argument("--plain-layout", choices=("plan", "separate"), default="plan",
+                    help="plain vLLM in the plan's process layout (default) or in vLLM's own (engine core apart)")
     ap.add_argument("--edge", default=str(Path(sys.executable).with_name("edge")))
     ap.add_argument("--results", type=Path, help="append one JSON line per pair here")
     ap.add_argument("--report", type=Path, help="print the medians of a --results file and exit")
@@ -266,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = {side: run_side(side, kwargs, args) for side in order}
             plain, edge = runs["plain"], runs["edge"]
             row = {"size": name, "pair": pair, "order": list(order), "edge_env": args.edge_env,
+                   "plain_layout": args.plain_layout,
                    "max_model_len": args.max_model_len,
                    "peak_ratio": edge["peak_pss"] / plain["peak_pss"],
                    "steady_ratio": edge["steady_pss"] / plain["steady_pss"],
@@ -291,16 +297,17 @@ def report(path: Path) -> int:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["size"], " ".join(r["edge_env"]) or "levers on"), []).append(r)
-    print("| geometry | edge levers | pairs | plain peak | edge peak | peak ratio | steady ratio | decode ratio "
-          "| prefill ratio | token ids |\n|---|---|---|---|---|---|---|---|---|---|")
-    for (size, env), rs in groups.items():
+        groups.setdefault((r["size"], " ".join(r["edge_env"]) or "levers on", r.get("plain_layout", "plan")),
+                          []).append(r)
+    print("| geometry | edge levers | plain layout | pairs | plain peak | edge peak | peak ratio | steady ratio "
+          "| decode ratio | prefill ratio | token ids |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for (size, env, layout), rs in groups.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("peak_ratio", "steady_ratio", "decode_ratio",
                                                               "prefill_ratio")}
         plain = statistics.median(r["plain"]["peak_pss"] for r in rs) / MIB
         edge = statistics.median(r["edge"]["peak_pss"] for r in rs) / MIB
         same = "identical" if all(r["identical"] for r in rs) else "DIFFER"
-        print(f"| {size} | {env} | {len(rs)} | {plain:,.0f} MiB | {edge:,.0f} MiB | **{med['peak_ratio']:.3f}** | "
+        print(f"| {size} | {env} | {layout} | {len(rs)} | {plain:,.0f} MiB | {edge:,.0f} MiB | **{med['peak_ratio']:.3f}** | "
               f"{med['steady_ratio']:.3f} | {med['decode_ratio']:.3f} | {med['prefill_ratio']:.3f} | {same} |")
     return 0
 
