@@ -1,7 +1,7 @@
 """What the LM head costs inside a vLLM CPU worker during decode, read from the worker (issue 26).
 
-One engine (``--side edge``: every edge-cpu plugin, as ``edge run``; ``--side
-plain``: only ``edge_cpu_amx``, as bench/memory_vs_vllm.py's plain run) on one of
+One engine (``--side edge``: edge's engine mark set, every edge-cpu plugin acting, as
+``edge run``; ``--side plain``: without it, as bench/memory_vs_vllm.py's plain run) on one of
 that script's header-only geometries, ``load_format="dummy"``, the engine
 arguments of ``edge plan --json``. Through ``collective_rpc`` the worker reports
 
@@ -108,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from edge_core.runtime.env import apply_runtime_env
 
-    apply_runtime_env()
+    apply_runtime_env(edge_engine=args.side == "edge", layout_env=kwargs.pop("_env", {}), layout_why="the plan's")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of this script's functions
-    if args.side == "plain":
-        os.environ["VLLM_PLUGINS"] = "edge_cpu_amx"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -5,13 +5,15 @@ One checkpoint, one set of engine arguments (``engine_kwargs`` from ``edge plan
 weights with its seeded random values, the same in both runs), two engines, one
 at a time, in alternating order (pair 1 plain first, pair 2 edge first, ...).
 Each engine runs in a child process of this script with edge's runtime
-environment (``edge_core.runtime.env``); what differs is vLLM's general
-plugins: the plain run loads only ``edge_cpu_amx`` (AMX permission: the
-engine dies without it on this host, and it holds no memory), the edge run
-loads every edge-cpu plugin as ``edge run`` does (heap trim, packing levers;
-``--edge-env EDGE_CPU_ONE_TABLE=0`` turns one off). From outside both, the
-child's process tree (front end, engine core, worker) is sampled every 0.1 s
-for PSS. Each child measures
+environment (``edge_core.runtime.env``) and the plan's process layout (its
+``execution.env``: one process for one vLLM CPU rank, as ``edge run`` runs it);
+what differs is edge's engine mark (``EDGE_ENGINE``): the edge run has it, as
+every engine edge starts, so edge-cpu's vLLM plugins act (heap trim, packing
+levers; ``--edge-env EDGE_CPU_ONE_TABLE=0`` turns one off); the plain run
+has not, so none of them does and vLLM is as it ships (edge-cpu's AMX
+permission request excepted: a fix vLLM needs on AMX hosts, not a lever,
+plugins/edge_cpu/README.md). From outside both, the child's process tree is
+sampled every 0.1 s for PSS. Each child measures
 
 * prefill: a ``--prefill-tokens`` (1,024) token prompt, one output token, median of
   ``--prefill-repeats`` (3) after one unmeasured warm-up; each repeat is a different prompt (the same
@@ -104,12 +106,13 @@ def build(out: Path, name: str) -> Path:
 
 
 def engine_kwargs(edge: str, model: Path, max_model_len: int) -> dict:
+    """The plan's engine arguments with ``load_format="dummy"``, and its process layout's environment as ``_env``."""
     out = subprocess.run([edge, "plan", "--model", str(model), "--max-model-len", str(max_model_len), "--json"],
                          capture_output=True, text=True, check=False)
     plan = json.loads(out.stdout)
     if not plan.get("admitted"):
         raise SystemExit(f"edge plan refused {model}: {plan.get('refusals')}")
-    return dict(plan["engine_kwargs"], load_format="dummy")
+    return dict(plan["engine_kwargs"], load_format="dummy", _env=(plan.get("execution") or {}).get("env") or {})
 
 
 # ---------------------------------------------------------------- the child: one engine
@@ -134,9 +137,7 @@ def tree_minflt(pid: int) -> int:
 def child(side: str, kwargs: dict, prefill_tokens: int, decode_tokens: int, prefill_repeats: int = 3) -> None:
     from edge_core.runtime.env import apply_runtime_env
 
-    apply_runtime_env()
-    if side == "plain":
-        os.environ["VLLM_PLUGINS"] = "edge_cpu_amx"
+    apply_runtime_env(edge_engine=side == "edge", layout_env=kwargs.pop("_env", {}), layout_why="the plan's")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -196,6 +197,9 @@ def run_side(side: str, kwargs: dict, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
     if side == "edge":
         env.update(kv.split("=", 1) for kv in args.edge_env)
+    elif args.plain_layout == "separate":  # vLLM's own layout: engine core and worker apart, its own binding
+        kwargs = {k: v for k, v in kwargs.items() if k != "distributed_executor_backend"}
+        kwargs["_env"] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cmd = [sys.executable, __file__, "--child", side, "--kwargs", json.dumps(kwargs),
            "--prefill-tokens", str(args.prefill_tokens), "--decode-tokens", str(args.decode_tokens),
            "--prefill-repeats", str(args.prefill_repeats)]
@@ -245,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-repeats", type=int, default=3, help="measured prefills (distinct prompts), after a warm-up")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--edge-env", action="append", default=[], help="VAR=VALUE for the edge run (repeatable)")
+    ap.add_argument("--plain-layout", choices=("plan", "separate"), default="plan",
+                    help="plain vLLM in the plan's process layout (default) or in vLLM's own (engine core apart)")
     ap.add_argument("--edge", default=str(Path(sys.executable).with_name("edge")))
     ap.add_argument("--results", type=Path, help="append one JSON line per pair here")
     ap.add_argument("--report", type=Path, help="print the medians of a --results file and exit")
@@ -265,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = {side: run_side(side, kwargs, args) for side in order}
             plain, edge = runs["plain"], runs["edge"]
             row = {"size": name, "pair": pair, "order": list(order), "edge_env": args.edge_env,
+                   "plain_layout": args.plain_layout,
                    "max_model_len": args.max_model_len,
                    "peak_ratio": edge["peak_pss"] / plain["peak_pss"],
                    "steady_ratio": edge["steady_pss"] / plain["steady_pss"],
@@ -290,16 +297,17 @@ def report(path: Path) -> int:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["size"], " ".join(r["edge_env"]) or "levers on"), []).append(r)
-    print("| geometry | edge levers | pairs | plain peak | edge peak | peak ratio | steady ratio | decode ratio "
-          "| prefill ratio | token ids |\n|---|---|---|---|---|---|---|---|---|---|")
-    for (size, env), rs in groups.items():
+        groups.setdefault((r["size"], " ".join(r["edge_env"]) or "levers on", r.get("plain_layout", "plan")),
+                          []).append(r)
+    print("| geometry | edge levers | plain layout | pairs | plain peak | edge peak | peak ratio | steady ratio "
+          "| decode ratio | prefill ratio | token ids |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for (size, env, layout), rs in groups.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("peak_ratio", "steady_ratio", "decode_ratio",
                                                               "prefill_ratio")}
         plain = statistics.median(r["plain"]["peak_pss"] for r in rs) / MIB
         edge = statistics.median(r["edge"]["peak_pss"] for r in rs) / MIB
         same = "identical" if all(r["identical"] for r in rs) else "DIFFER"
-        print(f"| {size} | {env} | {len(rs)} | {plain:,.0f} MiB | {edge:,.0f} MiB | **{med['peak_ratio']:.3f}** | "
+        print(f"| {size} | {env} | {layout} | {len(rs)} | {plain:,.0f} MiB | {edge:,.0f} MiB | **{med['peak_ratio']:.3f}** | "
               f"{med['steady_ratio']:.3f} | {med['decode_ratio']:.3f} | {med['prefill_ratio']:.3f} | {same} |")
     return 0
 

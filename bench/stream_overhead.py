@@ -207,7 +207,8 @@ def main() -> int:
     from edge_core.cli import build_parser
     from edge_core.cli.plan import plan_from_args
 
-    plan_args = ["plan"] + (["--model", args.model] if args.model else [])
+    # vLLM's AsyncLLM (the other side) always runs its engine core apart: edge's stage in the same layout.
+    plan_args = ["plan", "--distributed-executor-backend", "mp"] + (["--model", args.model] if args.model else [])
     plan, registry = plan_from_args(build_parser().parse_args(plan_args))
     if not plan.admitted:
         print(f"refused: {[r.message for r in plan.refusals]}", file=sys.stderr)

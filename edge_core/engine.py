@@ -144,6 +144,16 @@ class ChargeSettings:
     mamba_cache_mode: str | None
 
 
+@dataclass(frozen=True)
+class ProcessLayout:
+    """How many processes an engine runs a session in: inside edge's own (``in_process``) or apart, why, and the
+    environment that layout sets before the engine is imported (the same for edge's engine and a plain reference)."""
+
+    in_process: bool
+    reason: str
+    env: Mapping[str, str]
+
+
 class EngineRules(Protocol):
     """An engine's answers to the planner, each pure arithmetic over the values it is handed."""
 
@@ -171,6 +181,10 @@ class EngineRules(Protocol):
         """How the engine carves a KV pool of ``pool_bytes``: (blocks, blocks per sequence at ``max_model_len``,
         full-length sequences it holds at once, the concurrency the engine reports). ``sequence_bytes`` and
         ``block_bytes`` are one full-length sequence and the pool's fixed part, read off :meth:`charge_bytes`."""
+
+    def engine_processes(self, device: Device, session: SessionSpec, world_size: int,
+                         host: HostFacts | None) -> ProcessLayout:
+        """Whether ``session`` on ``device`` runs inside edge's own process (``world_size`` ranks), why, and its env."""
 
     def launch_env(self, device: Device, layout: Layout, session: SessionSpec, host: HostFacts | None,
                    devices: list[Device]) -> tuple[dict[str, str], str | None]:

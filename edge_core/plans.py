@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from .budget import Peak, Reservation
     from .devices import Device
     from .kv import KVEstimate
@@ -94,6 +96,10 @@ class SessionSpec:
     ``enforce_eager`` None means the device's backend decides
     (:mod:`edge_core.plan.execution`); True or False is the user's
     ``--enforce-eager`` / ``--compile``. A planned session always has it set.
+    ``served`` is True for a session behind vLLM's OpenAI-compatible server
+    (``edge serve``), whose engine core always runs in a process of its own.
+    ``in_process`` is the planned engine's process layout (the plan's
+    ``execution``): None until planned.
     """
 
     max_model_len: int | None = None
@@ -103,6 +109,8 @@ class SessionSpec:
     enforce_eager: bool | None = None
     max_model_len_auto: bool = False
     kv_cache_memory_bytes: int | None = None
+    served: bool = False
+    in_process: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +121,8 @@ class SessionSpec:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "kv_dtype": self.kv_dtype,
             "enforce_eager": self.enforce_eager,
+            "served": self.served,
+            "in_process": self.in_process,
         }
 
 
@@ -129,12 +139,24 @@ class ExecutionMode:
     backend has no such hook, and edge runs eagerly). ``reason`` says why, for
     people. ``cudagraph_capture_sizes`` are the batch sizes vLLM captures CUDA
     graphs for (empty when eager or on a runtime without graphs).
+
+    The engine's process layout, the engine's rules' answer
+    (:meth:`edge_core.engine.EngineRules.engine_processes`): ``in_process``
+    True runs vLLM's engine core and its one worker inside edge's own process
+    (vLLM's uniprocess executor), False in processes of their own;
+    ``processes_reason`` says why; ``env`` is what that layout sets before the
+    engine is imported (``VLLM_ENABLE_V1_MULTIPROCESSING``, an in-process
+    engine's OpenMP threads), the same for edge's engine and for plain vLLM
+    compared with it.
     """
 
     enforce_eager: bool
     source: str
     reason: str
     cudagraph_capture_sizes: tuple[int, ...] = ()
+    in_process: bool = False
+    processes_reason: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.source not in EXECUTION_SOURCES:
@@ -144,6 +166,11 @@ class ExecutionMode:
     def mode(self) -> str:
         return "eager" if self.enforce_eager else "compiled"
 
+    @property
+    def processes(self) -> str:
+        """``one`` (the engine inside edge's process) or ``separate`` (engine core and workers apart)."""
+        return "one" if self.in_process else "separate"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
@@ -151,6 +178,10 @@ class ExecutionMode:
             "source": self.source,
             "reason": self.reason,
             "cudagraph_capture_sizes": list(self.cudagraph_capture_sizes),
+            "processes": self.processes,
+            "in_process": self.in_process,
+            "processes_reason": self.processes_reason,
+            "env": dict(self.env),
         }
 
 

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from edge_core.runtime.env import ALREADY, KEPT, RULES, SET, UNSET, EnvRule, apply_runtime_env
+import pytest
+
+from edge_core.runtime.env import (
+    ALREADY,
+    ENGINE_MARK,
+    KEPT,
+    RULES,
+    SET,
+    UNSET,
+    EnvRule,
+    apply_runtime_env,
+    runtime_rules,
+)
 
 
 def test_kv_space_override_is_removed_and_reported():
@@ -16,10 +28,35 @@ def test_kv_space_override_is_removed_and_reported():
 
 def test_forced_rule_replaces_the_users_value_and_says_so():
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_STREAM": "ext://sys.stdout"}
-    applied = apply_runtime_env(env)
+    applied = apply_runtime_env(env, layout_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, layout_why="two ranks")
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert env["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
     assert {c.name for c in applied.overridden} == {"VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_STREAM"}
+    change = next(c for c in applied.changes if c.name == "VLLM_ENABLE_V1_MULTIPROCESSING")
+    assert "process layout" in change.why and "two ranks" in change.why
+
+
+def test_the_process_layout_is_the_plans_and_no_rule_of_its_own():
+    # VLLM_ENABLE_V1_MULTIPROCESSING was forced to 1 for every engine; now the plan's execution.env says it.
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in {rule.name for rule in RULES}
+    env: dict[str, str] = {}
+    apply_runtime_env(env, layout_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"})
+    assert (env["VLLM_ENABLE_V1_MULTIPROCESSING"], env["OMP_NUM_THREADS"]) == ("0", "2")
+
+
+def test_edges_engine_carries_the_mark_and_plain_vllm_never_does():
+    edge: dict[str, str] = {}
+    apply_runtime_env(edge, edge_engine=True)
+    assert edge[ENGINE_MARK] == "1"
+    plain = {ENGINE_MARK: "1"}  # a user's shell, or edge's own stage before the reference run
+    applied = apply_runtime_env(plain)  # plain vLLM unless a caller says otherwise
+    assert ENGINE_MARK not in plain
+    assert next(c for c in applied.changes if c.name == ENGINE_MARK).action == UNSET
+
+
+def test_the_mark_is_the_variable_edge_cpus_plugins_read():
+    edge_cpu = pytest.importorskip("edge_cpu._engine", reason="edge-cpu is not installed in this venv")
+    assert edge_cpu.ENGINE_ENV == ENGINE_MARK
 
 
 def test_default_rule_keeps_a_value_the_user_chose():
@@ -33,10 +70,11 @@ def test_default_rule_keeps_a_value_the_user_chose():
 
 def test_empty_environment_gets_every_value():
     env: dict[str, str] = {}
-    applied = apply_runtime_env(env)
-    wanted = {rule.name: rule.value for rule in RULES if rule.value is not None}
+    applied = apply_runtime_env(env, edge_engine=True)
+    rules = runtime_rules(edge_engine=True)
+    wanted = {rule.name: rule.value for rule in rules if rule.value is not None}
     assert env == wanted
-    assert applied.values == {rule.name: rule.value for rule in RULES}
+    assert applied.values == {rule.name: rule.value for rule in rules}
     assert all(c.action in (SET, ALREADY) for c in applied.changes)
 
 

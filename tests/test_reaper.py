@@ -248,9 +248,12 @@ def tree_of(pid: int) -> list[tuple[int, float, list[str]]]:
 @pytest.mark.slow
 @pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}")
 def test_kill_9_of_edge_run_leaves_no_engine_process(started):
+    # vLLM's engine core and worker in processes of their own (--distributed-executor-backend mp, as `edge serve`
+    # and every parallel layout run them), so there is something for the reaper to end; an engine in edge's own
+    # process (one rank's default) dies with it.
     proc = subprocess.Popen(
         [sys.executable, "-m", "edge_core", "run", "--model", str(DEMO_MODEL), "--max-tokens", "2000",
-         "--ignore-eos", "--prompt", "Hello"],
+         "--ignore-eos", "--prompt", "Hello", "--distributed-executor-backend", "mp"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
     started.add(proc.pid)
     assert proc.stdout is not None and proc.stderr is not None

@@ -101,8 +101,11 @@ class TestRealStage:
         assert stage.state.backend == "vllm:cpu" and stage.state.device_id == "cpu"
         assert stage.state.artifact_id == held.plan.manifest.artifact_id
         assert stage.engine_kwargs == held.plan.engine_kwargs
-        assert len(stage.stage_pids) >= 2, "engine core and worker run in their own processes"
-        assert stage.runtime_env.values["VLLM_CPU_KVCACHE_SPACE"] is None
+        # The demo's plan runs its engine in this process (one vLLM CPU rank): nothing spawned, the plan's layout set.
+        assert held.plan.execution.in_process and stage.stage_pids == ()
+        values = stage.runtime_env.values
+        assert values["VLLM_CPU_KVCACHE_SPACE"] is None and values["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert values["EDGE_ENGINE"] == "1"  # edge's engine: edge-cpu's levers act in it
 
 
     def test_stream_yields_deltas_in_order_and_exactly_max_tokens(self, held):

@@ -69,7 +69,9 @@ def planning_options(parser: argparse.ArgumentParser, max_num_seqs: int = 1) -> 
                              "group a parallel layout runs on")
     parser.add_argument("--distributed-executor-backend", choices=("mp", "ray"), metavar="{mp,ray}",
                         help="vLLM's executor: mp (its multiprocessing executor, across hosts in its multi-node "
-                             "mode; the default) or ray (vLLM CUDA only: vLLM CPU has no Ray)")
+                             "mode; the default for several ranks, and on one rank it keeps vLLM's engine core and "
+                             "worker in processes of their own instead of edge's) or ray (vLLM CUDA only: vLLM CPU "
+                             "has no Ray)")
     nodes = parser.add_argument_group(
         "more than one machine",
         "Join this host to others on vLLM's multi-node executor: run the same command on every node with the "
@@ -178,12 +180,15 @@ def context_length(text: str) -> int | str:
 
 
 def session_from(args: argparse.Namespace) -> SessionSpec:
-    # enforce_eager None: the device's backend decides (edge_core.plan.execution).
+    # enforce_eager and in_process None: the device's backend and engine decide (edge_core.plan.execution);
+    # --distributed-executor-backend mp asks for vLLM's engine core and workers apart even on one rank.
     auto = args.max_model_len == "auto"
     return SessionSpec(max_model_len=None if auto else args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype,
                        enforce_eager=getattr(args, "enforce_eager", None), max_model_len_auto=auto,
-                       kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None))
+                       kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None),
+                       served=getattr(args, "command", None) == "serve",
+                       in_process=False if getattr(args, "distributed_executor_backend", None) == "mp" else None)
 
 
 def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
@@ -346,6 +351,11 @@ def mode_line(mode: ExecutionMode) -> str:
     return f"{mode.mode} ({mode.source}): {mode.reason}{graphs}"
 
 
+def processes_line(mode: ExecutionMode) -> str:
+    """``one process: why`` or ``separate processes: why`` (the engine's process layout)."""
+    return f"{'one process' if mode.in_process else 'separate processes'}: {mode.processes_reason}"
+
+
 def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
     """Render ``plan``; with ``explain`` every budgeted device's reservations, peak and KV (``--explain``)."""
     verdict = "ADMITTED" if plan.admitted else "REFUSED"
@@ -383,6 +393,8 @@ def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
               f"{plan.session.max_num_seqs}, max_num_batched_tokens {plan.session.max_num_batched_tokens}")
         if plan.execution is not None:
             print(f"  mode      {mode_line(plan.execution)}")
+            if plan.execution.processes_reason:
+                print(f"  processes {processes_line(plan.execution)}")
     if plan.admitted and plan.reservations:
         for line in reservation_lines(plan.reservations):
             print(line)

@@ -17,7 +17,7 @@ from . import vllm_allocator, vllm_launch
 
 if TYPE_CHECKING:
     from ..devices import Device
-    from ..engine import ChargeSettings, KVLayout
+    from ..engine import ChargeSettings, KVLayout, ProcessLayout
     from ..host import HostFacts
     from ..layout import Layout
     from ..plans import SessionSpec
@@ -53,6 +53,10 @@ class VllmRules:
                    ) -> tuple[int, int, int, float]:
         return vllm_allocator.carve_pool(pool_bytes, sequence_bytes=sequence_bytes, block_bytes=block_bytes,
                                          max_num_seqs=max_num_seqs)
+
+    def engine_processes(self, device: Device, session: SessionSpec, world_size: int,
+                         host: HostFacts | None) -> ProcessLayout:
+        return vllm_launch.engine_processes(device, session, world_size, host)
 
     def launch_env(self, device: Device, layout: Layout, session: SessionSpec, host: HostFacts | None,
                    devices: list[Device]) -> tuple[dict[str, str], str | None]:

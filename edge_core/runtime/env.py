@@ -4,7 +4,12 @@ Every entry point that starts a vLLM engine — edge's stage, the plain-vLLM sid
 of ``edge parity``, the benchmarks — calls :func:`apply_runtime_env` before it
 imports vLLM (vLLM reads most of these when its modules load, and its worker
 processes inherit them). Two paths being compared are then never configured
-differently, and the run record says what was set and what it replaced.
+differently, and the run record says what was set and what it replaced. The
+one variable that tells them apart is :data:`ENGINE_MARK`: ``1`` in an engine
+edge starts (``edge_engine=True``), where its backends' vLLM plugins act, and
+removed for plain vLLM. How many processes the engine runs in (vLLM's
+``VLLM_ENABLE_V1_MULTIPROCESSING``) is the plan's choice, not a rule here: its
+``execution.env`` (:func:`edge_core.engines.vllm_launch.engine_processes`).
 
 Each rule below says why in a line; what it rests on, read in vLLM's source
 (``vllm/envs.py``, ``vllm/platforms/cpu.py``) or seen in runs, is in
@@ -16,7 +21,7 @@ depends on it; a user value is replaced and the record says so) or a
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,12 +50,6 @@ RULES: tuple[EnvRule, ...] = (
         "VLLM_CPU_KVCACHE_SPACE", None, True,
         "legacy integer-GiB KV size: vllm/platforms/cpu.py replaces kv_cache_memory_bytes with it whenever it "
         "is set and non-empty, so a stray value would silently override the plan's KV pool",
-    ),
-    EnvRule(
-        "VLLM_ENABLE_V1_MULTIPROCESSING", "1", True,
-        "engine core and worker in their own processes (vLLM's default): the runtime baseline in the budget "
-        "was measured in this mode (1.38-1.54 GiB tree PSS vs 0.53-0.68 GiB single-process), vLLM's CPU "
-        "platform needs the MP executor to bind OpenMP threads, and stop() checks those processes are gone",
     ),
     EnvRule(
         "VLLM_WORKER_MULTIPROC_METHOD", "spawn", True,
@@ -89,6 +88,30 @@ RULES: tuple[EnvRule, ...] = (
         "VLLM_LOGGING_LEVEL=INFO to see them (vLLM's failures are logged at ERROR and still show)",
     ),
 )
+
+
+#: ``1`` in the environment of every engine edge starts (its stage, ``edge serve``'s server, a node's headless
+#: ranks), removed for plain vLLM: the vLLM general plugins edge's backends register act only where it is set
+#: (edge-cpu's levers: plugins/edge_cpu/README.md), so plain vLLM in the same venv stays plain.
+ENGINE_MARK = "EDGE_ENGINE"
+EDGE_ENGINE_RULE = EnvRule(
+    ENGINE_MARK, "1", True,
+    "this engine is edge's: the vLLM plugins edge's backends register (edge-cpu's heap trim and packing levers) "
+    "act only in processes where it is 1, never in a user's own vLLM in the same venv",
+)
+PLAIN_ENGINE_RULE = EnvRule(
+    ENGINE_MARK, None, True,
+    "plain vLLM, the reference edge is compared with: none of the plugins edge's backends register may act in it",
+)
+
+
+def runtime_rules(*, edge_engine: bool, layout_env: Mapping[str, str] | None = None,
+                  layout_why: str = "") -> tuple[EnvRule, ...]:
+    """:data:`RULES`, the engine's mark (set for an engine edge starts, removed for plain vLLM), and the plan's
+    process layout (``execution.env``: forced, since the budget was made for it; ``layout_why`` says why)."""
+    layout = tuple(EnvRule(name, value, True, f"the plan's process layout: {layout_why or 'its execution'}")
+                   for name, value in (layout_env or {}).items())
+    return (*RULES, EDGE_ENGINE_RULE if edge_engine else PLAIN_ENGINE_RULE, *layout)
 
 
 @dataclass(frozen=True)
@@ -130,14 +153,21 @@ class RuntimeEnv:
         }
 
 
-def apply_runtime_env(environ: MutableMapping[str, str] | None = None,
-                      rules: tuple[EnvRule, ...] = RULES) -> RuntimeEnv:
-    """Apply ``rules`` to ``environ`` (default ``os.environ``) and return what was done.
+def apply_runtime_env(environ: MutableMapping[str, str] | None = None, rules: tuple[EnvRule, ...] | None = None,
+                      *, edge_engine: bool = False, layout_env: Mapping[str, str] | None = None,
+                      layout_why: str = "") -> RuntimeEnv:
+    """Apply ``rules`` (default :func:`runtime_rules`) to ``environ`` (default ``os.environ``); say what was done.
 
-    Idempotent: applying twice changes nothing the second time (every action is
-    then ``already`` or ``kept``). Call it before ``import vllm``.
+    ``edge_engine`` is True for an engine edge starts, False for plain vLLM
+    (the default, so a caller that forgets measures plain vLLM, never edge's
+    levers by accident); ``layout_env`` is the plan's process layout
+    (``execution.env``), the same for both. Idempotent: applying twice changes
+    nothing the second time (every action is then ``already`` or ``kept``).
+    Call it before ``import vllm``.
     """
     env = os.environ if environ is None else environ
+    if rules is None:
+        rules = runtime_rules(edge_engine=edge_engine, layout_env=layout_env, layout_why=layout_why)
     changes = []
     for rule in rules:
         previous = env.get(rule.name)

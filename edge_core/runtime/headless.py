@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import NodeError, StageError
 from ..services.host_ledger import set_state
-from .env import apply_runtime_env, versions
+from .env import versions
 from .logs import EngineLog
 from .processes import OwnProcessGroup, children, children_alive, reap
 from .reaper import SessionReaper
 from .session import Observer, SilentObserver, TerminationAsInterrupt, prepare_stage
-from .vllm_stage import engine_failure_detail, pin_plan_devices
+from .vllm_stage import engine_failure_detail, pin_plan_devices, plan_runtime_env
 
 if TYPE_CHECKING:
     from ..plans import Plan
@@ -115,7 +115,7 @@ def start_ranks(plan: Plan, log: EngineLog, said: Observer) -> Any:
     """This node's workers, started as ``vllm serve --headless`` starts them, in their own process group."""
     node, device = (plan.parallel or {})["node"], plan.selected_device
     assert device is not None
-    apply_runtime_env()
+    plan_runtime_env(plan, edge_engine=True)
     pin_plan_devices(plan, device)
     log.route_runtime_logging()  # before vLLM is imported
     with log.capture_prints():

@@ -25,14 +25,18 @@ runtimes a backend's hooks start read the same destination.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
 import stat
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
+from typing import Any, TextIO
 
 from ..errors import UsageError
 from .processes import describe_exit_code
@@ -174,6 +178,43 @@ class EngineLog:
                 contextlib.redirect_stdout(handle):
             yield
 
+    @contextlib.contextmanager
+    def capture_engine_start(self) -> Iterator[None]:
+        """While an engine starts inside this process: everything it writes goes to the log.
+
+        Its native writes to descriptors 1 and 2 (C++ warnings such as
+        ``init_cpu_memory_env``'s NUMA line, which a spawned engine process
+        writes to its own descriptors, already on the log) and the calling
+        thread's Python-level output (the loader's progress bars); the other
+        threads' Python-level output (edge's progress on stderr) goes where
+        it went before, through copies of the two descriptors.
+        """
+        if self.path is None:
+            yield
+            return
+        log_fd = self.open_fd()
+        assert log_fd is not None
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        terminal = {fd: io.TextIOWrapper(io.FileIO(saved[fd], "w", closefd=False), write_through=True,
+                                         encoding=getattr(stream, "encoding", None) or "utf-8", errors="replace")
+                    for fd, stream in ((1, sys.stdout), (2, sys.stderr))}
+        try:
+            with open(log_fd, "a", encoding="utf-8", closefd=False) as handle:
+                out, err = _ThreadRouted(handle, terminal[1]), _ThreadRouted(handle, terminal[2])
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    for fd in (1, 2):
+                        os.dup2(log_fd, fd)
+                    try:
+                        yield
+                    finally:
+                        for fd in (1, 2):
+                            os.dup2(saved[fd], fd)
+        finally:
+            for fd in (*saved.values(), log_fd):
+                os.close(fd)
+
     def remove(self) -> None:
         """Drop the log and its logging config after a clean session."""
         for path in (self.path, (self.path or "") + ".logging.json"):
@@ -182,3 +223,26 @@ class EngineLog:
                     os.unlink(path)
                 except OSError:
                     pass
+
+
+class _ThreadRouted:
+    """A text stream that sends the writes of the thread that made it to ``mine`` and every other thread's to
+    ``others`` (what ``sys.stdout``/``sys.stderr`` were)."""
+
+    def __init__(self, mine: TextIO, others: TextIO) -> None:
+        self.mine, self.others, self.owner = mine, others, threading.get_ident()
+
+    def _target(self) -> TextIO:
+        return self.mine if threading.get_ident() == self.owner else self.others
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def isatty(self) -> bool:
+        return self._target().isatty()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)

@@ -20,6 +20,10 @@ process from outside:
   what is left after :data:`GRACE_S`, and exits. When the session stops
   normally the front ends the reaper itself (:class:`SessionReaper`).
 
+An engine that runs inside edge's own process (one vLLM CPU rank, the plan's
+``execution.in_process``) dies with it: the reaper then finds no marked
+process and exits, so the same sequence holds for both layouts.
+
 The reaper runs by path, not with ``python -m``: it imports the standard
 library and psutil only (no ``edge_core``, no vLLM), and starts in a fraction
 of a second. It never signals a process without the marker.

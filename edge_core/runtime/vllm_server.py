@@ -34,11 +34,10 @@ from ..errors import StageError
 from ..server import ServerOptions, ServerReport
 from ..services.host_ledger import current
 from . import reaper
-from .env import apply_runtime_env
 from .logs import EngineLog
 from .processes import OwnProcessGroup, children, reap
 from .session import TerminationAsInterrupt
-from .vllm_stage import engine_failure_detail, pin_plan_devices
+from .vllm_stage import engine_failure_detail, pin_plan_devices, plan_runtime_env
 
 if TYPE_CHECKING:
     from ..devices import Device
@@ -78,7 +77,7 @@ class VllmServer:
         started = time.monotonic()
         if threading.current_thread() is not threading.main_thread():
             raise StageError("edge serve runs the server in the main thread (it owns SIGINT and SIGTERM)")
-        apply_runtime_env()
+        plan_runtime_env(self.plan, edge_engine=True)
         pin_plan_devices(self.plan, self.device)
         engine_log = EngineLog.from_environ()
         engine_log.route_runtime_logging()  # before vLLM is imported

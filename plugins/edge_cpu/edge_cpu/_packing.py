@@ -19,10 +19,14 @@ Three levers change what the worker holds, each on unless its variable is ``0``:
   weight[n, k]``, which keeps each block of 32 rows where it was); the head
   multiplies with ``weight_packed_linear`` on it and the embedding gathers its
   rows from the same bytes. Where that kernel or layout is missing (checked on a
-  block before anything is rewritten, never assumed from the CPU's name), a tied
-  head falls back to ``torch.nn.functional.linear`` on the float table, still
-  one copy but slower on a host without AMX (docs/benchmarks.md, "Why decode was
-  slower with the shared table").
+  block before anything is rewritten; the kernel is in the ``vllm._C`` vLLM CPU
+  loads only on x86 with AVX-512 BF16, :func:`host_has_packed_gemm`), the tied
+  head is packed as vLLM packs it, one oneDNN copy beside the float table the
+  embedding gathers from: the table's bytes once more, and vLLM's speed (the
+  float table's own product ran 31 against oneDNN's 22 ms a step on Qwen3-0.6B's
+  table: docs/benchmarks.md, "Why decode was slower with the shared table").
+  The plan asks the same question of the host's ISA flags and the table's
+  shape (:func:`packs_in_place`) and budgets that copy where the answer is no.
 * ``EDGE_CPU_REPACK_TRIM`` — ``malloc_trim(0)`` after each weight is re-packed.
   A freed float matrix under glibc's mmap threshold stays a hole in the heap
   (:mod:`._heap`); trimmed as it appears, the holes never pile up into the
@@ -33,7 +37,8 @@ its weights (``process_weights_after_loading`` in model_loader/base_loader.py
 is wrapped; a head is tied when it holds the very weight tensor of an
 embedding). The packing and the trims happen in the worker; :func:`probe`
 reads them back there (through ``collective_rpc``). Nothing of vLLM is
-imported until vLLM imports those modules itself (:mod:`._imports`);
+imported until vLLM imports those modules itself (:mod:`._imports`), and
+nothing is installed in an engine edge did not start (:mod:`._engine`);
 docs/benchmarks.md ("Each weight held once") has the A/B figures.
 """
 
@@ -45,12 +50,13 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ._heap import trim
+from ._engine import in_edge_engine
+from ._heap import WORKER_CLASS, WORKER_MODULE, trim
 from ._imports import patch_on_import
 
 log = logging.getLogger(__name__)
 
-#: The switches, read in every vLLM process (workers inherit them) and by the planner; "0" turns one off.
+#: The switches, read in every engine edge starts (workers inherit them) and by the planner; "0" turns one off.
 ONE_TABLE_ENV = "EDGE_CPU_ONE_TABLE"
 SHARED_TABLE_ENV = "EDGE_CPU_SHARED_TABLE"
 REPACK_TRIM_ENV = "EDGE_CPU_REPACK_TRIM"
@@ -70,10 +76,15 @@ PARTNER = "_edge_cpu_partner"
 #: out per step while a tied table is packed in place (16 blocks: 512 rows, 1-4 MiB at a time).
 PACK_BLOCK_ROWS = 32
 PACK_STEP_ROWS = 16 * PACK_BLOCK_ROWS
+#: x86 ISA flags (/proc/cpuinfo) under which vLLM CPU 0.32 loads ``vllm._C``, the build with sgl-kernel's packed
+#: GEMM (``convert_weight_packed``, ``weight_packed_linear``): AVX-512 with BF16. Without them it loads
+#: ``_C_AVX512`` or ``_C_AVX2``, which lack both ops (``CpuPlatform.import_kernels``; docs/vllm-cpu-facts.md,
+#: "The LM head's product in the worker").
+PACKED_GEMM_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 #: What this process did: trims run while re-packing, and vocab tables left unpacked until used.
 COUNTS = {"repack_trims": 0, "tables_deferred": 0, "tables_packed_on_use": 0, "heads_unpacked": 0,
-          "tables_shared_packed": 0}
+          "tables_shared_packed": 0, "tied_heads_packed_apart": 0}
 
 
 def enabled(name: str, environ: Mapping[str, str] | None = None) -> bool:
@@ -83,8 +94,35 @@ def enabled(name: str, environ: Mapping[str, str] | None = None) -> bool:
 
 
 def levers(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
-    """Both levers as this environment sets them, by variable."""
+    """The levers an engine edge starts with this environment has, by variable (what the planner budgets)."""
     return {name: enabled(name, environ) for name in (ONE_TABLE_ENV, SHARED_TABLE_ENV, REPACK_TRIM_ENV)}
+
+
+def active_levers(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
+    """The levers in force in this process: :func:`levers` in an engine edge started, none elsewhere."""
+    on = in_edge_engine(environ)
+    return {name: on and value for name, value in levers(environ).items()}
+
+
+def host_has_packed_gemm(isa_flags: Iterable[str], machine: str) -> bool:
+    """Whether vLLM CPU loads its build with sgl-kernel's packed GEMM on a host with these ISA flags (:data:`PACKED_GEMM_FLAGS`)."""
+    x86 = machine.lower() in ("x86_64", "amd64", "i686", "x86")
+    return x86 and set(PACKED_GEMM_FLAGS) <= set(isa_flags)
+
+
+def table_fits_packed_layout(rows: int, hidden: int, dtype: str) -> bool:
+    """Whether a ``rows`` x ``hidden`` table in ``dtype`` fits sgl-kernel's VNNI blocks (bfloat16, whole blocks)."""
+    return dtype == "bfloat16" and rows > 0 and rows % PACK_BLOCK_ROWS == 0 and hidden % 32 == 0
+
+
+def packs_in_place(isa_flags: Iterable[str], machine: str, rows: int, hidden: int, dtype: str) -> bool:
+    """The planner's :func:`share_packed_table`: will a tied table be packed once in place on this host?
+
+    Asked of the host's ISA flags and the table's shape, without torch or vLLM;
+    where it answers False the engine packs the tied head as vLLM does (one
+    more table), and the plan budgets that copy.
+    """
+    return host_has_packed_gemm(isa_flags, machine) and table_fits_packed_layout(rows, hidden, dtype)
 
 
 def mark_tables(modules: Iterable[Any], embedding_cls: type, head_cls: type) -> dict[str, int]:
@@ -160,7 +198,7 @@ def share_packed_table(head: Any, embedding: Any) -> bool:
     if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
         return False
     n, k = weight.shape
-    if (weight.dtype != torch.bfloat16 or not n or n % PACK_BLOCK_ROWS or k % 32 or not weight.is_contiguous()
+    if (not table_fits_packed_layout(n, k, str(weight.dtype).removeprefix("torch.")) or not weight.is_contiguous()
             or getattr(head, "bias", None) is not None or getattr(embedding, "use_fused_embedding", False)):
         return False
     ops = _sgl_pack()
@@ -206,8 +244,11 @@ def wrap_dispatch(module: Any, one_table: bool, repack_trim: bool, shared_table:
                 return _pack_on_use(layer, pack)
             if role == TIED_HEAD and shared_table:
                 partner = layer.__dict__.get(PARTNER)
-                if partner is None or not share_packed_table(layer, partner):
+                if partner is None:  # logits in another dtype: the head reads its float weight itself
                     _linear_on_float(layer)
+                elif not share_packed_table(layer, partner):  # no packed GEMM here: vLLM's own copy, its speed
+                    COUNTS["tied_heads_packed_apart"] += 1
+                    return pack(layer, remove_weight=False)
                 return None
             return pack(layer, remove_weight=remove_weight or role == UNTIED_HEAD)
         finally:
@@ -259,8 +300,26 @@ def shared_packed(layer: Any) -> bool:
     return bool(getattr(getattr(layer, "cpu_linear", None), "shared_packed", False))
 
 
+def patched() -> dict[str, bool]:
+    """Which of vLLM's functions an edge-cpu plugin has wrapped in this process (each wrapper carries a mark)."""
+    import sys
+
+    from . import _heap, _pp
+
+    def marked(module: str, owner: str | None, name: str, mark: str) -> bool:
+        target = sys.modules.get(module)
+        target = getattr(target, owner, None) if owner is not None else target
+        return bool(getattr(getattr(target, name, None), mark, False))
+
+    return {"dispatch": marked(DISPATCH_MODULE, None, DISPATCH, _MARK),
+            "loader": marked(LOADER_MODULE, None, PROCESS, _MARK),
+            "worker_load_model": marked(WORKER_MODULE, WORKER_CLASS, "load_model", _heap.MARK),
+            "runner_load_model": marked(_pp.RUNNER_MODULE, _pp.RUNNER_CLASS, "load_model", _pp.MARK)}
+
+
 def probe(worker: Any) -> dict[str, Any]:
-    """Read in a vLLM CPU worker (``collective_rpc(probe)``): its vocab tables, packed or not, and the counts."""
+    """Read in a vLLM CPU worker (``collective_rpc(probe)``): its vocab tables, packed or not, the counts, and
+    whether this is an engine edge started (the levers in force, what the plugins wrapped)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     model = worker.model_runner.model
@@ -268,12 +327,16 @@ def probe(worker: Any) -> dict[str, Any]:
                "shared_packed": shared_packed(m),
                "weight_elements": int(m.weight.numel()), "weight_ptr": int(m.weight.data_ptr())}
               for name, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)]
-    return {"tables": tables, "counts": dict(COUNTS), "levers": levers(),
+    return {"tables": tables, "counts": dict(COUNTS), "levers": active_levers(), "edge_engine": in_edge_engine(),
+            "patched": patched(),
             "linear_packed": sum(packed(m) for m in model.modules() if not isinstance(m, VocabParallelEmbedding))}
 
 
 def install() -> None:
-    """Put the levers in place in this process (the ``vllm.general_plugins`` entry point)."""
+    """Put the levers in place in this process (the ``vllm.general_plugins`` entry point); nothing in an engine
+    edge did not start (:mod:`._engine`)."""
+    if not in_edge_engine():
+        return
     try:
         one_table, repack_trim = enabled(ONE_TABLE_ENV), enabled(REPACK_TRIM_ENV)
         shared_table = one_table and enabled(SHARED_TABLE_ENV)

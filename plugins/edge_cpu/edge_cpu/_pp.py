@@ -14,7 +14,8 @@ runner module is imported (:mod:`._imports`): after the model is built, a
 stage that is not the first allocates the same buffers the dummy pass would
 (``make_empty_intermediate_tensors`` for ``max_num_tokens`` in the model's
 dtype). vLLM itself is not edited; a runner that already has them, or a
-changed vLLM without the method, is left as it is.
+changed vLLM without the method, is left as it is; an engine edge did not
+start is left alone (:mod:`._engine`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ._engine import in_edge_engine
 from ._imports import patch_on_import
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,8 @@ log = logging.getLogger(__name__)
 #: vLLM CPU's (V1) model runner module, and the class whose ``load_model`` is wrapped there.
 RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
 RUNNER_CLASS = "CPUModelRunner"
-_MARK = "_edge_allocates_stage_buffers"
+#: Set on the wrapper, so a second install wraps nothing and a probe can tell it is there.
+MARK = "_edge_allocates_stage_buffers"
 
 
 def first_stage() -> bool:
@@ -56,7 +59,7 @@ def wrap_runner(module: Any, is_first_stage: Callable[[], bool] | None = None) -
     load = getattr(runner, "load_model", None)
     if load is None:
         return False
-    if getattr(load, _MARK, False):
+    if getattr(load, MARK, False):
         return True
 
     @functools.wraps(load)
@@ -69,13 +72,16 @@ def wrap_runner(module: Any, is_first_stage: Callable[[], bool] | None = None) -
             log.debug("edge-cpu: pipeline stage buffers not allocated: %s", exc)
         return out
 
-    setattr(load_model, _MARK, True)
+    setattr(load_model, MARK, True)
     runner.load_model = load_model  # type: ignore[union-attr]
     return True
 
 
 def allocate_stage_buffers() -> None:
-    """Arrange for vLLM CPU's model runner to allocate a later stage's buffers (the general plugin)."""
+    """Arrange for vLLM CPU's model runner to allocate a later stage's buffers (the general plugin); nothing in an
+    engine edge did not start (:mod:`._engine`)."""
+    if not in_edge_engine():
+        return
     try:
         patch_on_import(RUNNER_MODULE, wrap_runner)
     except Exception as exc:  # noqa: BLE001 - a changed vLLM must never stop the engine from starting

@@ -116,6 +116,7 @@ def test_trim_gives_freed_heap_holes_back_to_linux():
 
 
 def test_trim_after_load_installs_one_finder(monkeypatch):
+    monkeypatch.setenv("EDGE_ENGINE", "1")  # an engine edge started (edge_cpu/_engine.py)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.delitem(sys.modules, _heap.WORKER_MODULE, raising=False)
     _heap.trim_after_load()

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from edge_core.kit.vllm_source import SourceTree, installed_vllm
-from edge_cpu import _imports, _packing
+from edge_cpu import _engine, _imports, _packing
 
 
 class Embedding:
@@ -103,11 +103,12 @@ def test_a_tied_head_keeps_the_float_table_the_embedding_gathers_from():
     assert calls == [("pack", "lm_head", False)]
 
 
-def test_a_shared_table_head_whose_table_is_no_tensor_computes_on_the_float_table():
-    torch = pytest.importorskip("torch")
+def test_a_shared_table_head_whose_table_cannot_be_packed_in_place_is_packed_as_vllm_packs_it():
+    pytest.importorskip("torch")
     calls, _, _, head = dispatched(tied=True, one_table=True, repack_trim=False, shared_table=True)
-    assert calls == [] and head.cpu_linear is torch.nn.functional.linear
-    assert _packing.COUNTS["heads_unpacked"] == 1
+    # no tensor to re-lay out: vLLM's own copy beside the float table the embedding gathers from
+    assert calls == [("pack", "lm_head", False)] and head.cpu_linear("x", None, None) == ("packed product", "lm_head")
+    assert _packing.COUNTS["tied_heads_packed_apart"] == 1 and _packing.COUNTS["tables_shared_packed"] == 0
 
 
 def test_with_one_table_off_vllm_packs_both_as_it_does():
@@ -146,12 +147,26 @@ def test_the_loader_marks_the_tables_before_vllm_processes_them(monkeypatch):
     assert seen == ["untied_head"]
 
 
-def test_install_patches_nothing_with_every_lever_off(monkeypatch):
-    # Only the packing's own finders: edge-cpu's other vLLM plugins (the heap trim, the PP buffers) may have
-    # left theirs in this process, and they are not this test's business.
+@pytest.fixture
+def no_finders(monkeypatch):
+    """Only the packing's own finders counted: edge-cpu's other vLLM plugins (the heap trim, the PP buffers) may
+    have left theirs in this process, and they are not these tests' business."""
     monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, _imports.AfterImport)])
     for name in (_packing.DISPATCH_MODULE, _packing.LOADER_MODULE):
         monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_install_patches_nothing_in_an_engine_edge_did_not_start(no_finders, monkeypatch):
+    monkeypatch.delenv(_engine.ENGINE_ENV, raising=False)  # a user's own vLLM in this venv: every lever on
+    for name in _packing.levers():
+        monkeypatch.delenv(name, raising=False)
+    _packing.install()
+    assert not [f for f in sys.meta_path if isinstance(f, _imports.AfterImport)]
+    assert not any(_packing.active_levers().values()) and all(_packing.levers().values())
+
+
+def test_install_patches_nothing_with_every_lever_off(no_finders, monkeypatch):
+    monkeypatch.setenv(_engine.ENGINE_ENV, "1")
     for name in _packing.levers():
         monkeypatch.setenv(name, "0")
     _packing.install()
@@ -217,7 +232,41 @@ def packed_modules(rows: int = 256, hidden: int = 64, dtype: str = "bfloat16"):
     return torch, weight.detach().clone(), embed, head
 
 
+def packed_gemm_here() -> bool:
+    """Whether the vLLM CPU build this host loads has sgl-kernel's packed GEMM (x86 AVX-512 BF16: ``vllm._C``)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("vllm._custom_ops")
+    return _packing._sgl_pack() is not None
+
+
+#: Why the in-place path is skipped where the host's vLLM build lacks it; the fallback test runs everywhere.
+NO_PACKED_GEMM = ("this host's vLLM CPU build has no sgl-kernel packed GEMM (it needs x86 AVX-512 with BF16, "
+                  "which loads vllm._C; others load _C_AVX512/_C_AVX2): its fallback, vLLM's own copy of the tied "
+                  "head, is tested by test_without_the_packed_gemm_the_tied_head_is_packed_as_vllm_packs_it")
+
+
+def test_the_plan_asks_the_host_what_the_engine_finds():
+    # The planner's question, from /proc/cpuinfo's flags, is the one the engine answers by looking up the ops.
+    from edge_core.host import read_host
+
+    host = read_host()
+    assert _packing.host_has_packed_gemm(host.isa_flags, host.machine) == packed_gemm_here()
+
+
+@pytest.mark.parametrize("flags,machine,packs", [
+    (("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile"), "x86_64", True),  # Sapphire Rapids
+    (("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "x86_64", True),  # Zen 4/5: no AMX, BF16
+    (("avx2", "avx512f", "avx512bw", "avx512vl"), "x86_64", False),  # Skylake/Cascade Lake: no BF16
+    (("avx2", "fma"), "x86_64", False),
+    (("asimd", "sve"), "aarch64", False),
+])
+def test_the_packed_gemm_is_there_only_with_avx512_bf16(flags, machine, packs):
+    assert _packing.host_has_packed_gemm(flags, machine) is packs
+
+
 def test_a_shared_table_is_packed_once_in_place_for_both_modules():
+    if not packed_gemm_here():
+        pytest.skip(NO_PACKED_GEMM)
     torch, original, embed, head = packed_modules()
     address = embed.weight.data_ptr()
     assert _packing.share_packed_table(head, embed)
@@ -235,11 +284,14 @@ def test_a_table_the_layout_does_not_fit_is_left_as_it_is(rows, hidden, dtype):
     torch, original, embed, head = packed_modules(rows, hidden, dtype)
     assert not _packing.share_packed_table(head, embed)
     assert torch.equal(embed.weight, original) and not hasattr(head, "cpu_linear")
+    # the plan asks the same question of the config, and budgets vLLM's copy of the head
+    assert not _packing.table_fits_packed_layout(rows, hidden, dtype)
 
 
-def test_a_shared_table_head_without_the_layout_computes_on_the_float_table(monkeypatch):
+def test_without_the_packed_gemm_the_tied_head_is_packed_as_vllm_packs_it(monkeypatch):
+    # Forced here whatever this host has: a vLLM CPU build without sgl-kernel's ops (_C_AVX512, _C_AVX2).
     torch, original, embed, head = packed_modules()
-    monkeypatch.setattr(_packing, "_sgl_pack", lambda: None)  # a vLLM without sgl-kernel's ops
+    monkeypatch.setattr(_packing, "_sgl_pack", lambda: None)
     calls: list[tuple] = []
     module = fake_dispatch_module(calls)
     assert _packing.wrap_dispatch(module, one_table=True, repack_trim=False, shared_table=True, trimmer=lambda: None)
@@ -247,4 +299,8 @@ def test_a_shared_table_head_without_the_layout_computes_on_the_float_table(monk
     setattr(head, _packing.ROLE, _packing.TIED_HEAD)  # as mark_tables marks a tied head
     head.__dict__[_packing.PARTNER] = embed
     module.dispatch_cpu_unquantized_gemm(head, remove_weight=False)
-    assert calls == [] and head.cpu_linear is torch.nn.functional.linear and torch.equal(embed.weight, original)
+    # vLLM's own packed copy beside the float table, which stays as it was for the embedding's lookups:
+    # the table's bytes once more, which the plan budgets on such a host (test_packing_budget.py)
+    assert calls == [("pack", "lm_head", False)] and torch.equal(embed.weight, original)
+    assert head.cpu_linear("x", head.weight, None) == ("packed product", "lm_head")
+    assert _packing.COUNTS["tied_heads_packed_apart"] == 1 and not _packing.shared_packed(head)

@@ -13,10 +13,14 @@ GIB = 1 << 30
 ON = {_packing.ONE_TABLE_ENV: True, _packing.SHARED_TABLE_ENV: True, _packing.REPACK_TRIM_ENV: True}
 
 
-def host() -> HostFacts:
+#: This project's host (Sapphire Rapids): vLLM CPU loads its build with sgl-kernel's packed GEMM here.
+PACKED_GEMM = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
+
+
+def host(flags: tuple[str, ...] = PACKED_GEMM, machine: str = "x86_64") -> HostFacts:
     return HostFacts(system="linux", mem_total_bytes=32 * GIB, mem_available_bytes=28 * GIB,
                      cgroup_limit_bytes=None, cgroup_usage_bytes=None, logical_cores=8, physical_cores=4,
-                     cpu_model="x", machine="x86_64", isa_flags=("avx512f",), numa_nodes=())
+                     cpu_model="x", machine=machine, isa_flags=flags, numa_nodes=())
 
 
 def manifest(*, tied: bool, vocab: int = 151936, hidden: int = 2048, shards=(GIB // 4,) * 12, tensors=None):
@@ -26,8 +30,8 @@ def manifest(*, tied: bool, vocab: int = 151936, hidden: int = 2048, shards=(GIB
                                  tensors=tensors, architecture="Qwen3ForCausalLM")
 
 
-def terms(m, levers=ON, share=None) -> dict[str, int]:
-    return {t.purpose: t.bytes for t in _memory.reservations(m, None, host(), share, levers=levers)}
+def terms(m, levers=ON, share=None, on=None, session=None) -> dict[str, int]:
+    return {t.purpose: t.bytes for t in _memory.reservations(m, session, on or host(), share, levers=levers)}
 
 
 TABLE = 151936 * 2048 * 2
@@ -40,6 +44,33 @@ def test_a_tied_table_is_held_once_with_every_lever_on():
     # before it: the tree PSS shows the larger, admission only the holes)
     holes = int(_memory.REPACK_HOLES_SHARE * (3 * GIB - TABLE))
     assert t["linear_repack_transient"] == holes
+
+
+@pytest.mark.parametrize("flags,machine", [
+    (("avx2", "avx512f", "avx512bw", "avx512vl"), "x86_64"),  # AVX-512 without BF16: vLLM loads _C_AVX512
+    (("avx2", "fma"), "x86_64"),  # AVX2 only: _C_AVX2
+    (("asimd", "sve"), "aarch64"),
+])
+def test_where_the_host_has_no_packed_gemm_the_tied_head_holds_vllms_copy(flags, machine):
+    # The engine packs the tied head as vLLM does there (test_packing.py forces that branch): one more table.
+    assert terms(manifest(tied=True), on=host(flags, machine))["embedding_packed_copy"] == TABLE
+
+
+def test_a_table_outside_the_packed_layout_holds_vllms_copy_even_where_the_gemm_is():
+    m = manifest(tied=True)
+    m.dtype = "float16"  # sgl-kernel's blocks are bfloat16 only
+    assert terms(m)["embedding_packed_copy"] == TABLE  # float16: 2 bytes an element, as bfloat16
+    assert terms(manifest(tied=True))["embedding_packed_copy"] == 0
+
+
+def test_the_runtime_baseline_is_the_plans_process_layout():
+    m = manifest(tied=True)
+    one = types.SimpleNamespace(enforce_eager=True, in_process=True)
+    apart = types.SimpleNamespace(enforce_eager=True, in_process=False)
+    assert terms(m, session=one)["runtime_baseline"] == _memory.RUNTIME_BASELINE_ONE_PROCESS_BYTES
+    assert terms(m, session=apart)["runtime_baseline"] == _memory.RUNTIME_BASELINE_BYTES
+    assert terms(m)["runtime_baseline"] == _memory.RUNTIME_BASELINE_BYTES  # no session: the layout vLLM defaults to
+    assert _memory.RUNTIME_BASELINE_ONE_PROCESS_BYTES < _memory.RUNTIME_BASELINE_BYTES
 
 
 def test_a_tied_head_packs_one_copy_without_the_shared_table():

@@ -148,6 +148,7 @@ def test_the_finder_wraps_the_runner_when_its_module_is_imported(tmp_path, monke
     monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setattr(_pp, "RUNNER_MODULE", name)
     monkeypatch.setattr(_pp, "first_stage", lambda: False)
+    monkeypatch.setenv("EDGE_ENGINE", "1")  # an engine edge started (edge_cpu/_engine.py)
     _pp.allocate_stage_buffers()
     _pp.allocate_stage_buffers()  # one finder, however often vLLM loads its plugins
     assert sum(getattr(f, "module", None) == name for f in sys.meta_path) == 1

@@ -115,7 +115,11 @@ def test_tiny_llama_plans_compiled_by_default_and_eager_when_asked(installed):
     assert many["cuda_graph_pool"] > one["cuda_graph_pool"] and many["cuda_graph_nodes"] > one["cuda_graph_nodes"]
     eager = plan(*tiny, "--enforce-eager")
     assert eager["execution"] == {"mode": "eager", "enforce_eager": True, "source": "--enforce-eager",
-                                  "reason": eager["execution"]["reason"], "cudagraph_capture_sizes": []}
+                                  "reason": eager["execution"]["reason"], "cudagraph_capture_sizes": [],
+                                  "processes": "separate", "in_process": False,
+                                  "processes_reason": eager["execution"]["processes_reason"],
+                                  "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
+    assert "GPU" in eager["execution"]["processes_reason"]  # vLLM's own layout on a GPU
     assert eager["engine_kwargs"]["enforce_eager"] is True and graph_terms(eager) == {}
     assert plan(*tiny, "--compile")["execution"]["source"] == "--compile"
 
