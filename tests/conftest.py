@@ -88,20 +88,6 @@ def demo_server():
         shared.close()
 
 
-#: The KV pool ``demo_run`` hands vLLM: two of its blocks of 128 tokens (vLLM CPU's block), so vLLM's auto-fit
-#: leaves one block, 128 tokens, to one sequence (the other is the pool's null block).
-DEMO_RUN_CONTEXT = 128
-
-
-def demo_run_pool_bytes(model: Path) -> int:
-    """Two of ``model``'s KV blocks of :data:`DEMO_RUN_CONTEXT` tokens, by vLLM's formula (tests/factories.py)."""
-    import json
-
-    from factories import vllm_block_bytes
-
-    return 2 * vllm_block_bytes(json.loads((Path(model) / "config.json").read_text()), DEMO_RUN_CONTEXT)
-
-
 @pytest.fixture(scope="session")
 def demo_run(demo_model):
     """One ``edge run`` of the demo model (SmolLM2, real weights) asked a question through its chat template, for
@@ -114,7 +100,7 @@ def demo_run(demo_model):
     import shutil
     import subprocess
 
-    from servers import DEMO_QUESTION, short_tmp
+    from servers import DEMO_QUESTION, demo_run_pool_bytes, short_tmp
 
     tmp = short_tmp("edge-run-")  # vLLM's ZMQ sockets go under TMPDIR: pytest's nested paths can be too long
     proc = subprocess.run(

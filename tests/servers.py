@@ -9,6 +9,7 @@ A test that stops the shared server leaves the next user a fresh one.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -152,3 +153,15 @@ class SharedServer:
     def close(self) -> None:
         for server in self._servers:
             server.close()
+
+
+#: The KV pool ``demo_run`` hands vLLM: two of its blocks of 128 tokens (vLLM CPU's block), so vLLM's auto-fit
+#: leaves one block, 128 tokens, to one sequence (the other is the pool's null block).
+DEMO_RUN_CONTEXT = 128
+
+
+def demo_run_pool_bytes(model: Path) -> int:
+    """Two of ``model``'s KV blocks of :data:`DEMO_RUN_CONTEXT` tokens, by vLLM's formula (tests/factories.py)."""
+    from factories import vllm_block_bytes
+
+    return 2 * vllm_block_bytes(json.loads((Path(model) / "config.json").read_text()), DEMO_RUN_CONTEXT)

@@ -205,7 +205,7 @@ class TestRealEngine:
         assert "starting vllm:cpu on cpu" in done.stderr  # progress went to stderr, not stdout
         # --max-model-len auto on a pool of two blocks: vLLM's auto-fit gives one sequence one block (the other is
         # the null block), and vLLM started with exactly that context and that pool.
-        from conftest import DEMO_RUN_CONTEXT, demo_run_pool_bytes
+        from servers import DEMO_RUN_CONTEXT, demo_run_pool_bytes
 
         assert f"max_model_len {DEMO_RUN_CONTEXT} (auto)" in out
         engine = next(line for line in out.splitlines() if line.startswith("  engine "))
