@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cause is not None and os.environ.get("EDGE_DEBUG"):
             traceback.print_exception(cause)
         print(f"edge: {exc}", file=sys.stderr)
-        if cause is not None and not os.environ.get("EDGE_DEBUG"):
+        if cause is not None and not os.environ.get("EDGE_DEBUG") and getattr(exc, "traceback_helps", True):
             print("edge: rerun with EDGE_DEBUG=1 for the traceback", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

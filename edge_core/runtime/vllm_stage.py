@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 from ..engines.vllm_launch import visible_devices
 from ..errors import StageError
 from ..stream import DeltaEvent, StageRequest
+from .deaths import EngineDeaths, account, child_exits, failure
 from .env import apply_runtime_env, versions
 from .logs import EngineLog
 from .numa import TARGET_SLACK_BYTES, NodePrep, prepare_node
-from .processes import OwnProcessGroup, children, death_of, reap
+from .processes import OwnProcessGroup, children, reap
 from .vllm_engine import (
     ABORT_WAIT_S,
     SHUTDOWN_TIMEOUT_S,
@@ -193,13 +194,11 @@ def start(device: Device, plan: Plan) -> VllmStage:
             if log_fd is not None:
                 os.close(log_fd)
     except BaseException as exc:
-        deaths = _reap_failed_start(loop, thread, before)
+        deaths = _reap_failed_start(loop, thread, before, engine_log)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise StageError(
-            f"vLLM could not start on {device.device_id}: {type(exc).__name__}: {exc}"
-            + (f"; engine processes: {', '.join(deaths)}" if deaths else "") + engine_failure_detail(engine_log)
-        ) from exc
+        raise failure(f"vLLM could not start on {device.device_id}", exc, deaths, engine_failure_detail(engine_log),
+                      engine_log.path) from exc
     engine_start_s = time.perf_counter() - t1
     stage_pids = tuple(sorted(pid for pid in children() if pid not in before))
     stage = VllmStage(
@@ -240,11 +239,12 @@ def _import_vllm(device: Device, engine_log: EngineLog) -> tuple[Any, Any, Any, 
     return vllm, AsyncEngineArgs, SamplingParams, AsyncLLM
 
 
-def _reap_failed_start(loop: asyncio.AbstractEventLoop, thread: threading.Thread, before: set[int]) -> list[str]:
-    """Stop the loop and reap the processes a failed start left; how each that died ended."""
+def _reap_failed_start(loop: asyncio.AbstractEventLoop, thread: threading.Thread, before: set[int],
+                       engine_log: EngineLog) -> EngineDeaths:
+    """Stop the loop and reap the processes a failed start left; the account of those that died first."""
     stop_loop(loop, thread)
     new = tuple(pid for pid in children() if pid not in before)
-    deaths = [f"pid {pid} {how}" for pid in new if (how := death_of(pid))]
+    deaths = account(child_exits(new), engine_log)  # before the reaping: its terminations are edge's, not deaths
     reap(new)
     return deaths
 
@@ -310,13 +310,25 @@ def plain_token_ids(device: Device, plan: Plan, prompts: list[str], max_tokens: 
     try:
         with OwnProcessGroup(log_fd):  # the same process group and output as edge's stage
             llm = LLM(**dict(plan.engine_kwargs))
+    except Exception as exc:
+        new = tuple(pid for pid in children() if pid not in before)
+        deaths = account(child_exits(new), engine_log)
+        reap(new)
+        raise failure(f"plain vLLM (the reference) could not start on {device.device_id}", exc, deaths,
+                      engine_failure_detail(engine_log), engine_log.path) from exc
     finally:
         if log_fd is not None:
             os.close(log_fd)
     start_s = time.perf_counter() - started
     pids = tuple(pid for pid in children() if pid not in before)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    try:
+        outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    except Exception as exc:
+        deaths = account(child_exits(pids), engine_log)
+        reap(pids)
+        raise failure(f"plain vLLM (the reference) failed on {device.device_id}", exc, deaths,
+                      engine_failure_detail(engine_log), engine_log.path) from exc
     ids = [list(out.outputs[0].token_ids) for out in outputs]
     # vllm.LLM has no close(); its engine client's shutdown ends the engine core,
     # which ends the worker. Then the same reaping as edge's stage.
