@@ -349,7 +349,7 @@ def test_an_oom_kill_names_the_process_the_cgroup_its_limit_and_count_the_kernel
                            f"cgroup /process_api/abc/edge hit its limit of {mib(1536 * MIB)} (oom_kill 0 -> 1 during "
                            "this session, failcnt 12)"), text
     assert f'the kernel log: "Memory cgroup out of memory: Killed process {WORKER} (VLLM::Worker)' in text
-    assert (f"last measured 0.3 s before it ended: the engine's process tree at {mib(1410 * MIB)} PSS, "
+    assert (f"last measured 0.3 s before it ended: the session's process tree at {mib(1410 * MIB)} PSS, "
             f"{mib(1702 * MIB)} RSS, VLLM::Worker {mib(812 * MIB)}") in text
     assert f"then pid {CORE} (VLLM::EngineCore) exited with code 1" in text
     admission = PLAN.peak.admission_bytes
@@ -391,9 +391,19 @@ def test_sigkill_from_someone_else_is_not_called_an_oom(tmp_path):
     watch.__exit__(None, None, None)
     assert not found.oom and found.violent
     assert found.describe().startswith(
-        f"pid {WORKER} (VLLM::Worker) was killed by SIGKILL from outside edge and vLLM (not the OOM killer: the "
-        "cgroup's oom_kill count stayed 0, and the kernel log names no OOM kill of it)")
+        f"pid {WORKER} (VLLM::Worker) was killed by SIGKILL from outside edge and vLLM: not by the OOM killer (the "
+        "cgroup's oom_kill count stayed 0, and the kernel log names no OOM kill of it), so by a user's kill -9")
     assert "last measured 2.0 s before it ended" in found.describe()
+
+
+def test_a_status_taken_by_the_parent_with_no_oom_says_so_and_why_the_kernel_log_is_silent(tmp_path):
+    watch, _ = watch_with(tmp_path, [Exit(WORKER, None, 3.0, "unknown")], engine_seen(2.5), kmsg=False)
+    text = watch.account().describe()
+    watch.__exit__(None, None, None)
+    assert text.startswith(
+        f"pid {WORKER} (VLLM::Worker) ended under the engine, its exit status collected before edge could read it; "
+        "not by the OOM killer (the cgroup's oom_kill count stayed 0; the kernel log, which would name an OOM kill, is not "
+        f"readable here: {tmp_path / 'kmsg'}: No such file or directory)"), text
 
 
 @pytest.mark.parametrize("signum, meaning", [
@@ -426,7 +436,7 @@ def test_an_exit_code_keeps_the_engine_logs_cause_lines_and_the_traceback_hint(t
                     ". From the engine log (x.log):\n    ValueError: bad config", "x.log")
     assert isinstance(error, EngineDied) and error.traceback_helps
     assert str(error) == (f"vLLM could not start on cpu: pid {CORE} (VLLM::EngineCore) exited with code 1; last "
-                          f"measured 1.0 s before it ended: the engine's process tree at {mib(1410 * MIB)} PSS, "
+                          f"measured 1.0 s before it ended: the session's process tree at {mib(1410 * MIB)} PSS, "
                           f"{mib(1702 * MIB)} RSS, VLLM::EngineCore {mib(400 * MIB)}; remedy: the engine log has the "
                           "process's own error. vLLM said: RuntimeError: Engine core initialization failed. From the "
                           "engine log (x.log):\n    ValueError: bad config")
@@ -461,6 +471,17 @@ def test_the_engine_logs_code_fills_a_workers_unknown_status(tmp_path):
     found = watch.account(engine_log=EngineLog(str(log_path)))
     watch.__exit__(None, None, None)
     assert (found.deaths[0].returncode, found.deaths[0].source) == (-signal.SIGSEGV, "the engine log")
+
+
+def test_the_kernel_log_gives_the_signal_of_a_victim_whose_status_its_parent_took(tmp_path):
+    watch, root = watch_with(tmp_path, [Exit(WORKER, None, 2.0, "unknown")], engine_seen(1.0),
+                             kmsg_text=oom_lines(WORKER, "VLLM::Worker", "/process_api/abc/edge"))
+    bump_v1(root, oom_kill=1)
+    found = watch.account()
+    watch.__exit__(None, None, None)
+    assert [(d.pid, d.returncode, d.source, d.at_s) for d in found.deaths] == \
+        [(WORKER, -signal.SIGKILL, "the kernel log", 2.0)]
+    assert found.describe().startswith(f"pid {WORKER} (VLLM::Worker) was killed by the kernel's OOM killer (SIGKILL)")
 
 
 def test_the_kernel_logs_victim_counts_even_without_an_exit_record(tmp_path):
@@ -630,7 +651,8 @@ def titles_of(pid: int) -> dict[int, str]:
 @pytest.mark.parametrize("version", [1, 2])
 def test_an_engine_oom_killed_under_a_cgroup_limit_is_named_oom_with_the_process_and_the_limit(tmp_path, version):
     # The plan admits at the cgroup's limit (unlimited when edge plans), then the limit is lowered to what the
-    # cgroup holds plus a margin once the worker is up: loading goes on past it and the kernel kills the worker.
+    # cgroup holds and cannot reclaim plus a margin once the worker is up: loading goes on past it (the weights
+    # alone are 257 MiB) and the kernel kills the worker.
     # This stays valid when the plan reads nested limits (it then refuses below its admission): the limit moves
     # only after admission. The worker is made the OOM killer's first choice (oom_score_adj 1000), so the kill
     # is the engine's, not edge's front (which imports vLLM too and is as large until the weights load).
@@ -644,7 +666,7 @@ def test_an_engine_oom_killed_under_a_cgroup_limit_is_named_oom_with_the_process
     assert own is not None
     child_dir = own / f"edge-oom-test-{os.getpid()}"
     child_dir.mkdir()
-    margin = 100 * MIB
+    margin = 64 * MIB
     limit = None
     try:
         def enter() -> None:
@@ -663,8 +685,9 @@ def test_an_engine_oom_killed_under_a_cgroup_limit_is_named_oom_with_the_process
                           None)
             if worker is not None:
                 Path(f"/proc/{worker}/oom_score_adj").write_text("1000")
-                usage = int((child_dir / "memory.usage_in_bytes").read_text())
-                limit = usage + margin
+                # What cannot be reclaimed now (anonymous memory and mapped files; the page cache can be).
+                stat = dict(line.split() for line in (child_dir / "memory.stat").read_text().splitlines())
+                limit = int(stat["total_rss"]) + int(stat["total_mapped_file"]) + margin
                 (child_dir / "memory.limit_in_bytes").write_text(str(limit))
                 break
             time.sleep(0.1)
@@ -686,7 +709,14 @@ def test_an_engine_oom_killed_under_a_cgroup_limit_is_named_oom_with_the_process
     assert oom_kills >= 1, f"the worker was not OOM-killed (oom_kill {oom_kills}): {err[-3000:]}"
     assert proc.returncode == 1, err[-3000:]
     message = err[err.index("edge: vLLM could not start"):] if "edge: vLLM could not start" in err else err
+    print(message)  # the report shows it with -rP
     assert f"pid {worker} (VLLM::Worker) was killed by the kernel's OOM killer" in message, message
+    kernel_log = KernelLog(from_end=True)
+    if kernel_log.unreadable is None:  # then it names the victim, and so the signal
+        assert "(SIGKILL): memory cgroup" in message and f'Killed process {worker} (VLLM::Worker)' in message, message
+    else:
+        assert f"the kernel log is not readable here: {kernel_log.unreadable}" in message, message
+    kernel_log.close()
     assert f"hit its limit of {mib(limit)}" in message, message
     assert "oom_kill 0 -> 1 during this session" in message, message
     assert "remedy:" in message and "EDGE_DEBUG" not in message

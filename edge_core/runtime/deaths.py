@@ -617,7 +617,7 @@ class EngineDeaths:
 
     def _outcome(self, death: ProcessDeath) -> str:
         if death.returncode is None:
-            return "ended (its parent took its exit status first)"
+            return "ended (its exit status was collected before edge could read it)"
         name = death.signal
         if name is None:
             return f"exited with code {death.returncode}"
@@ -645,27 +645,29 @@ class EngineDeaths:
             return text
         name = death.signal
         if death.returncode is None:
-            return (f"{death.name} ended under the engine; its exit status went to its parent first"
-                    + self._not_oom_clause())
+            return (f"{death.name} ended under the engine, its exit status collected before edge could read it; not "
+                    "by the OOM killer" + self._not_oom_clause())
         if name == "SIGKILL":
-            return (f"{death.name} was killed by SIGKILL from outside edge and vLLM" + self._not_oom_clause()
-                    + " (a user's kill -9, a supervisor or a container runtime; edge sends SIGKILL only on a "
-                      "forced stop, a second Ctrl-C)")
+            return (f"{death.name} was killed by SIGKILL from outside edge and vLLM: not by the OOM killer"
+                    + self._not_oom_clause() + ", so by a user's kill -9, a supervisor or a container runtime "
+                    "(edge sends SIGKILL only on a forced stop, a second Ctrl-C)")
         if name is not None:
             return f"{death.name} was killed by {name} ({SIGNAL_MEANINGS.get(name, 'a signal')})"
         return f"{death.name} exited with code {death.returncode}"
 
     def _not_oom_clause(self) -> str:
+        """`` (the evidence)``: the cgroup's unchanged count, and the kernel log's silence or why it was not read."""
         after = self.cgroup_after
         if after is None:
-            return (" (not the OOM killer of a memory cgroup: this process has none"
-                    + (f"; the kernel log could say more but is not readable here: {self.kernel_log_unreadable})"
-                       if self.kernel_log_unreadable else ", and the kernel log names no OOM kill of it)"))
-        count = after.oom_kill_count()
-        counted = f"the cgroup's oom_kill count stayed {count}" if count is not None else "the cgroup shows no count"
-        return (f" (not the OOM killer: {counted}"
-                + (f"; the kernel log could say more but is not readable here: {self.kernel_log_unreadable})"
-                   if self.kernel_log_unreadable else ", and the kernel log names no OOM kill of it)"))
+            counted = "this process has no memory cgroup"
+        else:
+            count = after.oom_kill_count()
+            counted = (f"the cgroup's oom_kill count stayed {count}" if count is not None
+                       else "the cgroup shows no oom_kill count")
+        if self.kernel_log_unreadable:
+            return f" ({counted}; the kernel log, which would name an OOM kill, is not readable here: " \
+                   f"{self.kernel_log_unreadable})"
+        return f" ({counted}, and the kernel log names no OOM kill of it)"
 
     def _cgroup_name(self, kill: KernelKill | None) -> str:
         if kill is not None and kill.memcg:
@@ -691,8 +693,8 @@ class EngineDeaths:
             return ""
         age = max(0.0, (death.at_s or self.at_s) - seen.last_seen_s)
         own = f", {death.title or 'it'} {mib(seen.pss_bytes)}" if seen.pss_bytes else ""
-        return (f"last measured {age:.1f} s before it ended: the engine's process tree at {mib(seen.tree_pss_bytes)} "
-                f"PSS, {mib(seen.tree_rss_bytes)} RSS{own}")
+        return (f"last measured {age:.1f} s before it ended: the session's process tree at "
+                f"{mib(seen.tree_pss_bytes)} PSS, {mib(seen.tree_rss_bytes)} RSS{own}")
 
     def remedy(self) -> str:
         """What to do, for the first death's cause."""
@@ -720,7 +722,7 @@ class EngineDeaths:
             return ""
         name = first.signal
         if name == "SIGKILL" or first.returncode is None:
-            return "remedy: find what ended it; the engine log has vLLM's side"
+            return "remedy: find what ended it and start again; the engine log has vLLM's side"
         if name is not None:
             return "remedy: see the meaning above; the engine log has the process's last words"
         return "remedy: the engine log has the process's own error"
@@ -808,9 +810,9 @@ class DeathWatch:
         for pid, code in (exits or {}).items():
             if pid not in found or found[pid].returncode is None:
                 found[pid] = Exit(pid, code, found[pid].at_s if pid in found else None, "its exit status")
-        for pid in kills:
-            if pid in seen and pid not in found:
-                found[pid] = Exit(pid, -signal.SIGKILL, None, "the kernel log")
+        for pid in kills:  # the OOM killer's victims died of SIGKILL, whoever took their status
+            if pid in seen and (pid not in found or found[pid].returncode is None):
+                found[pid] = Exit(pid, -signal.SIGKILL, found[pid].at_s if pid in found else None, "the kernel log")
         names = {**(titles or {}), **{pid: s.title for pid, s in seen.items() if s.title}}
         deaths = [ProcessDeath(pid=e.pid, title=names.get(e.pid), returncode=e.returncode, at_s=e.at_s, source=e.source,
                                kernel_kill=kills.get(e.pid), seen=seen.get(e.pid))

@@ -390,9 +390,10 @@ class Registry:
         """Call ``hook`` on the plugin that owns ``device`` only; None if it has no such hook.
 
         Exceptions from the plugin propagate wrapped in :class:`PluginError`
-        naming the plugin and hook.
+        naming the plugin and hook, except :class:`EngineDied`: the engine the
+        backend started died, and the error already names the process and why.
         """
-        from ..errors import PluginError
+        from ..errors import EngineDied, PluginError
 
         if hook not in hookspecs.OWNER_HOOKS:
             raise ValueError(f"{hook!r} is not an owner-dispatched hook")
@@ -402,6 +403,8 @@ class Registry:
         caller = self._caller_for(record, hook)
         try:
             return caller(device=device, **kwargs) if "device" in _argnames(caller) else caller(**kwargs)
+        except EngineDied:
+            raise
         except Exception as exc:
             raise PluginError(
                 f"plugin {record.name!r} failed in {hook} for device {device.device_id!r}: "
