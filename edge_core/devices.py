@@ -113,6 +113,7 @@ HOST_SECTION_FIELDS: dict[str, FieldSpec] = {
     "physical_cores": (False, _is_count, "a whole number >= 0"),
     "cgroup_limit_bytes": (False, lambda v: v is None or _is_count(v), "a whole number of bytes >= 0, or null"),
     "cgroup_usage_bytes": (False, lambda v: v is None or _is_count(v), "a whole number of bytes >= 0, or null"),
+    "cgroup_memory_path": (False, lambda v: v is None or isinstance(v, str), "a string, or null"),
     "isa_flags": (False, lambda v: v is None or (isinstance(v, list) and _is_str_list(v)),
                   "a list of flag names such as ['avx2']"),
     "is_wsl": (False, lambda v: isinstance(v, bool), "true or false"),

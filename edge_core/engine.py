@@ -166,6 +166,12 @@ class EngineRules(Protocol):
     def charge_note(self, settings: ChargeSettings, in_flight: str, rounding: str) -> str:
         """One line saying how :meth:`charge_bytes` counts, for the estimate's ``rules``."""
 
+    def carve_pool(self, pool_bytes: int, *, sequence_bytes: int, block_bytes: int, max_num_seqs: int
+                   ) -> tuple[int, int, int, float]:
+        """How the engine carves a KV pool of ``pool_bytes``: (blocks, blocks per sequence at ``max_model_len``,
+        full-length sequences it holds at once, the concurrency the engine reports). ``sequence_bytes`` and
+        ``block_bytes`` are one full-length sequence and the pool's fixed part, read off :meth:`charge_bytes`."""
+
     def launch_env(self, device: Device, layout: Layout, session: SessionSpec, host: HostFacts | None,
                    devices: list[Device]) -> tuple[dict[str, str], str | None]:
         """The environment rank 0's host sets before the engine starts, and a note when a card cannot be named."""

@@ -55,9 +55,11 @@ class HostFacts:
     system: str
     mem_total_bytes: int
     mem_available_bytes: int
-    #: The memory limit of this process's cgroup, or None when there is none.
+    #: The memory limit that binds this process: the least room over its cgroup and every ancestor's
+    #: (:func:`read_cgroup_memory`), or None when there is none.
     cgroup_limit_bytes: int | None
-    #: Bytes already charged to that cgroup (so available = limit - usage).
+    #: Bytes that cgroup already holds and the kernel cannot reclaim (usage less file pages), so
+    #: available = limit - this.
     cgroup_usage_bytes: int | None
     logical_cores: int
     physical_cores: int
@@ -73,6 +75,8 @@ class HostFacts:
     allowed_cpus: tuple[int, ...] = ()
     #: The cgroup's CPU quota in cores (``cpu.max`` quota / period), or None when there is none.
     cpu_quota_cores: float | None = None
+    #: The cgroup whose limit is ``cgroup_limit_bytes`` (``v1:/path`` or ``v2:/path``), or None.
+    cgroup_memory_path: str | None = None
 
     @property
     def usable_cpus(self) -> tuple[int, ...]:
@@ -124,6 +128,7 @@ class HostFacts:
             "mem_available_bytes": self.mem_available_bytes,
             "cgroup_limit_bytes": self.cgroup_limit_bytes,
             "cgroup_usage_bytes": self.cgroup_usage_bytes,
+            "cgroup_memory_path": self.cgroup_memory_path,
             "usable_bytes": self.usable_bytes,
             "logical_cores": self.logical_cores,
             "physical_cores": self.physical_cores,
@@ -162,6 +167,7 @@ class HostFacts:
             mem_available_bytes=int(data.get("mem_available_bytes", 0)),
             cgroup_limit_bytes=data.get("cgroup_limit_bytes"),
             cgroup_usage_bytes=data.get("cgroup_usage_bytes"),
+            cgroup_memory_path=data.get("cgroup_memory_path"),
             logical_cores=int(data.get("logical_cores", 0)),
             physical_cores=int(data.get("physical_cores", 0)),
             cpu_model=str(data.get("cpu_model", "")),
@@ -250,24 +256,135 @@ def read_numa_nodes(root: Path) -> tuple[NumaNode, ...]:
     return tuple(sorted(nodes, key=lambda n: n.node_id))
 
 
-def read_cgroup_memory(root: Path) -> tuple[int | None, int | None]:
-    """The memory limit and usage of this process's cgroup (v2, else v1), or (None, None)."""
-    for directory in _cgroup_dirs(root):
-        raw = _read(directory / "memory.max")
-        if raw is not None:
-            raw = raw.strip()
-            usage = _read(directory / "memory.current")
-            usage_bytes = int(usage.strip()) if usage and usage.strip().isdigit() else None
-            if raw == "max" or not raw.isdigit():
-                return None, usage_bytes
-            return int(raw), usage_bytes
-    raw = _read(root / "sys/fs/cgroup/memory/memory.limit_in_bytes")
-    if raw and raw.strip().isdigit():
-        limit = int(raw.strip())
-        usage = _read(root / "sys/fs/cgroup/memory/memory.usage_in_bytes")
-        usage_bytes = int(usage.strip()) if usage and usage.strip().isdigit() else None
-        return (None if limit >= _CGROUP_UNLIMITED else limit), usage_bytes
-    return None, None
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The memory limit that binds this process, read from its own cgroup and every ancestor's.
+
+    ``limit_bytes`` is the limit of the level with the least room left
+    (limit less what is held there), ``held_bytes`` what that level already
+    holds that the kernel cannot reclaim (usage less its file pages: anonymous
+    memory, shmem, kernel memory), ``path`` the cgroup it belongs to (as the
+    process's own cgroup line names it, with ``v1:`` or ``v2:``). All None
+    without a limit anywhere.
+    """
+
+    limit_bytes: int | None = None
+    held_bytes: int | None = None
+    path: str | None = None
+
+
+def read_cgroup_memory(root: Path) -> CgroupMemory:
+    """The binding memory limit of this process's cgroup (v2 and v1), or an empty :class:`CgroupMemory`.
+
+    The process's own cgroup comes from ``/proc/self/cgroup`` (v2: the ``0::``
+    line; v1: the line naming the ``memory`` controller), found under the
+    hierarchy's mount (``/proc/self/mountinfo``; else ``/sys/fs/cgroup`` for
+    v2, ``/sys/fs/cgroup/memory`` for v1). Every level from it up to the
+    mount that has a limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)
+    counts, and v1's ``hierarchical_memory_limit`` (memory.stat) catches an
+    ancestor above the mount. Each level's room is its limit less what it
+    holds and cannot reclaim: usage (``memory.current`` / ``memory.usage_in_bytes``)
+    less its file pages (``active_file`` + ``inactive_file``; v1's hierarchical
+    ``total_`` counters), which the kernel drops before it OOM-kills. The level
+    with the least room binds.
+    """
+    own = _own_cgroups(root)
+    mounts = _cgroup_mounts(root)
+    levels: list[tuple[int, int, str]] = []  # (limit, held, path)
+    v2 = own.get("v2")
+    if v2 is not None and mounts.get("v2") is not None:
+        mount, mount_root = mounts["v2"]
+        for directory, path in _levels(mount, mount_root, v2):
+            raw = (_read(directory / "memory.max") or "").strip()
+            if raw.isdigit():
+                levels.append((int(raw), _held(directory, "memory.current", ""), f"v2:{path}"))
+    v1 = own.get("v1")
+    if v1 is not None and mounts.get("v1") is not None:
+        mount, mount_root = mounts["v1"]
+        walked = list(_levels(mount, mount_root, v1))
+        for directory, path in walked:
+            raw = (_read(directory / "memory.limit_in_bytes") or "").strip()
+            if raw.isdigit() and int(raw) < _CGROUP_UNLIMITED:
+                levels.append((int(raw), _held(directory, "memory.usage_in_bytes", "total_"), f"v1:{path}"))
+        if walked:
+            leaf, path = walked[0]
+            hierarchical = _stat(leaf).get("hierarchical_memory_limit")
+            if hierarchical is not None and hierarchical < min((lim for lim, _, _ in levels), default=_CGROUP_UNLIMITED):
+                levels.append((hierarchical, _held(leaf, "memory.usage_in_bytes", "total_"),
+                               f"v1:{path} (hierarchical_memory_limit: an ancestor's)"))
+    if not levels:
+        return CgroupMemory()
+    limit, held, path = min(levels, key=lambda level: (level[0] - level[1], level[0]))
+    return CgroupMemory(limit, held, path)
+
+
+def _stat(directory: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in (_read(directory / "memory.stat") or "").splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value.strip())
+    return out
+
+
+def _held(directory: Path, usage_file: str, prefix: str) -> int:
+    """What a cgroup holds and cannot reclaim: its usage less its file pages (never below zero)."""
+    usage = (_read(directory / usage_file) or "").strip()
+    stat = _stat(directory)
+    files = stat.get(f"{prefix}active_file", 0) + stat.get(f"{prefix}inactive_file", 0)
+    return max(int(usage) - files, 0) if usage.isdigit() else 0
+
+
+def _own_cgroups(root: Path) -> dict[str, str]:
+    """This process's cgroup paths: ``v2`` (the ``0::`` line) and ``v1`` (the line naming ``memory``)."""
+    out: dict[str, str] = {}
+    for line in (_read(root / "proc/self/cgroup") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            out["v2"] = path.strip() or "/"
+        elif "memory" in controllers.split(","):
+            out["v1"] = path.strip() or "/"
+    return out
+
+
+def _cgroup_mounts(root: Path) -> dict[str, tuple[Path, str]]:
+    """Where the v2 hierarchy and v1's memory hierarchy are mounted, with the cgroup each mount shows as its root."""
+    out: dict[str, tuple[Path, str]] = {}
+    text = _read(root / "proc/self/mountinfo")
+    for line in (text or "").splitlines():
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        mount = root / fields[4].lstrip("/")
+        if tail[0] == "cgroup2" and "v2" not in out:
+            out["v2"] = (mount, fields[3])
+        elif tail[0] == "cgroup" and "memory" in tail[2].split(",") and "v1" not in out:
+            out["v1"] = (mount, fields[3])
+    if text is None:  # no mount table (a tree written by a test, or not Linux): the usual places
+        base = root / "sys/fs/cgroup"
+        out["v2"] = (base / "unified" if (base / "unified").is_dir() else base, "/")
+        out["v1"] = (base / "memory", "/")
+    return out
+
+
+def _levels(mount: Path, mount_root: str, path: str) -> list[tuple[Path, str]]:
+    """The process's cgroup directory and each ancestor's under ``mount``, leaf first, each with its cgroup path."""
+    rel = path
+    prefix = mount_root.rstrip("/")
+    if prefix and (rel == prefix or rel.startswith(prefix + "/")):
+        rel = rel[len(prefix):]  # the mount shows a subtree (a cgroup namespace or a container's view)
+    parts = [part for part in rel.split("/") if part and part != ".."]
+    out = []
+    for depth in range(len(parts), -1, -1):
+        directory = mount.joinpath(*parts[:depth])
+        if not directory.is_dir():
+            continue
+        out.append((directory, prefix + "/" + "/".join(parts[:depth]) if depth else (prefix or "/")))
+    return out
 
 
 def _cgroup_dirs(root: Path) -> list[Path]:
@@ -366,7 +483,7 @@ def read_host(root: str | os.PathLike[str] = "/") -> HostFacts:
         model, flags = platform.processor(), ()
         logical = psutil.cpu_count(logical=True) or 0
         physical = psutil.cpu_count(logical=False) or logical
-    limit, usage = read_cgroup_memory(base)
+    cgroup = read_cgroup_memory(base)
     osrelease = (_read(base / "proc/sys/kernel/osrelease") or "").lower()
     is_wsl = "microsoft" in osrelease or "wsl" in osrelease
     system, machine, node = _uname()
@@ -375,8 +492,9 @@ def read_host(root: str | os.PathLike[str] = "/") -> HostFacts:
         machine=machine or "unknown",
         mem_total_bytes=total,
         mem_available_bytes=available,
-        cgroup_limit_bytes=limit,
-        cgroup_usage_bytes=usage,
+        cgroup_limit_bytes=cgroup.limit_bytes,
+        cgroup_usage_bytes=cgroup.held_bytes,
+        cgroup_memory_path=cgroup.path,
         logical_cores=logical,
         physical_cores=physical,
         cpu_model=model,

@@ -34,6 +34,8 @@ REFUSAL_CODES = (
     "serve_unsupported",
     "architecture_unsupported",
     "runtime_dependency_missing",
+    # A GGUF file (llama.cpp's format), which vLLM does not load: `edge import` converts it (artifact/gguf.py):
+    "gguf_needs_import",
     # A model named by Hub id (edge_core/artifact/hub.py):
     "model_not_found",
     "model_gated",
@@ -81,7 +83,13 @@ class Refusal:
 class SessionSpec:
     """The limits of one autoregressive session, as the user asked for them.
 
-    ``max_model_len`` None means the checkpoint's own context length.
+    ``max_model_len`` None means the checkpoint's own context length;
+    ``max_model_len_auto`` (``--max-model-len auto``) asks for the longest
+    context one sequence can hold in the KV pool, fitted before anything loads
+    (a planned session then carries the fitted length and keeps the flag).
+    ``max_num_seqs`` bounds how many sequences run at once; they share one
+    paged KV pool of ``kv_cache_memory_bytes`` (vLLM's, per rank; None: the
+    planner sizes it, :mod:`edge_core.plan.pool`).
     ``kv_dtype`` is ``auto`` (the model dtype) or an fp8 variant.
     ``enforce_eager`` None means the device's backend decides
     (:mod:`edge_core.plan.execution`); True or False is the user's
@@ -93,12 +101,16 @@ class SessionSpec:
     max_num_batched_tokens: int | None = None
     kv_dtype: str = "auto"
     enforce_eager: bool | None = None
+    max_model_len_auto: bool = False
+    kv_cache_memory_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_model_len": self.max_model_len,
+            "max_model_len_auto": self.max_model_len_auto,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "kv_dtype": self.kv_dtype,
             "enforce_eager": self.enforce_eager,
         }

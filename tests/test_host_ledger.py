@@ -345,3 +345,49 @@ def test_a_budget_refusal_names_the_sessions_holding_the_pool(llama8b):
     bare = make_plan(str(llama8b), session=SessionSpec(max_model_len=CONTEXT), devices=devices, host=small,
                      devices_source="file")
     assert "edge stop" not in bare.refusals[0].remedy
+
+
+def test_a_version_1_record_reads_and_ps_shows_the_pool_in_use(ledger, capsys):
+    from edge_core.cli import main
+
+    old = record().to_dict()
+    for name in ("held_peak_bytes", "kv_pool_bytes", "kv_cache_usage"):
+        del old[name]
+    old["schema_version"] = 1
+    parsed = hl.SessionRecord.from_dict(old)
+    assert (parsed.held_peak_bytes, parsed.kv_pool_bytes, parsed.kv_cache_usage) == (0, 0, None)
+    with pytest.raises(ValueError):
+        hl.SessionRecord.from_dict({**record().to_dict(), "kv_cache_usage": 1.5})
+    with hl.admission() as taken:
+        registration = taken.register(command="edge serve", model="m", artifact_id=None, device_ids=("cpu",),
+                                      reserved_bytes={"host_ram": 3 * GIB}, predicted_peak_bytes=2 * GIB,
+                                      headroom_bytes=GIB // 2, session=False, held_peak_bytes=GIB + GIB // 2,
+                                      kv_pool_bytes=GIB)
+    try:
+        registration.update(kv_cache_usage=0.25)
+        assert main(["ps"]) == 0
+        out = capsys.readouterr().out
+        assert "25% of 1,024 MiB" in out and "1,536 MiB" in out and "KV POOL" in out
+        assert main(["ps", "--json"]) == 0
+        import json as _json
+
+        [doc] = _json.loads(capsys.readouterr().out)["sessions"]
+        assert doc["kv_cache_usage"] == 0.25 and doc["kv_pool_bytes"] == GIB and doc["schema_version"] == 2
+    finally:
+        registration.remove()
+
+
+def test_a_loading_sessions_file_pages_do_not_count_as_taken():
+    # 6 GiB of tree PSS of which 2.5 GiB are the checkpoint's file pages: still available memory to the host, so
+    # of a 10 GiB reservation 6.5 GiB are yet to come; a record without the split counts the whole PSS.
+    loading = record(measured_current_bytes=6 * GIB, measured_held_bytes=3 * GIB + GIB // 2)
+    assert loading.unseen_bytes("host_ram") == 10 * GIB - (3 * GIB + GIB // 2)
+    assert record(measured_current_bytes=6 * GIB).unseen_bytes("host_ram") == 4 * GIB
+
+
+def test_the_tree_is_measured_with_and_without_its_file_pages():
+    pss, held = hl.tree_memory(os.getpid(), [])
+    text = Path(f"/proc/{os.getpid()}/smaps_rollup").read_text() if Path("/proc/self/smaps_rollup").exists() else ""
+    if "Pss_File:" not in text:
+        pytest.skip("this kernel's smaps_rollup has no Pss_File line")
+    assert 0 < held < pss and pss == hl.tree_pss_bytes(os.getpid(), [])

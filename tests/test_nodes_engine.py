@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 import pytest
 
+from edge_core.artifact import DEMO_MODEL
 from edge_core.runtime.accept import PROMPTS
 
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
@@ -107,7 +108,7 @@ def _marked(session_env: str) -> list[int]:
 def start_pair(tmp: Path, name: str) -> Pair:
     port, master = free_port(), free_port(2)
     env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp / "ledger"), "EDGE_TEST_PAIR": name}
-    common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+    common = ["--model", str(DEMO_MODEL), "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
               "--master-port", str(master), "--max-model-len", "512"]
 
     def launch(core: int, rank: int, extra: list[str]) -> subprocess.Popen[str]:

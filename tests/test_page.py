@@ -111,13 +111,17 @@ def test_every_term_is_a_segment_as_wide_as_its_share_of_capacity(demo_plan):
     totals = budget_rows(terms)
     assert sum(w for _, w in steady) == pytest.approx(100 * totals["steady"] / capacity, abs=0.01)
     assert sum(w for _, w in load) == pytest.approx(100 * totals["load"] / capacity, abs=0.01)
-    # The admission row: the predicted peak as one block, then each headroom term.
+    # The admission row: the held peak as one block, then each headroom term.
+    held = demo_plan["peak"]["held_peak_bytes"]
     assert "predicted" in admission[0][0]
-    assert admission[0][1] == pytest.approx(100 * demo_plan["predicted_peak_bytes"] / capacity, abs=1e-3)
+    assert admission[0][1] == pytest.approx(100 * held / capacity, abs=1e-3)
     assert sum(w for _, w in admission) == pytest.approx(100 * demo_plan["admission_bytes"] / capacity, abs=0.01)
     assert totals["headroom"] == demo_plan["peak"]["headroom_bytes"]
+    # The demo's file pages (a 2 MiB mapping) sit under its steady state: the predicted PSS is the held peak,
+    # and no third mark is drawn for it.
+    assert demo_plan["predicted_peak_bytes"] == held
     marks = dict(parsed.marks[:2])
-    assert marks["m-peak"] == pytest.approx(100 * demo_plan["predicted_peak_bytes"] / capacity, abs=1e-3)
+    assert marks["m-held"] == pytest.approx(100 * held / capacity, abs=1e-3)
     assert marks["m-admit"] == pytest.approx(100 * demo_plan["admission_bytes"] / capacity, abs=1e-3)
     # The enlarged figure's scale is 1.04 x the admission total.
     assert dict(parsed.marks[2:4])["m-admit"] == pytest.approx(100 / 1.04, abs=0.01)
@@ -152,7 +156,7 @@ def test_a_parallel_plan_shows_each_rank_per_node_and_a_bar_per_device(capsys, l
 
 def test_a_refused_plan_shows_each_refusal_with_its_remedy_and_no_bar(capsys, llama8b):
     code, doc = plan_document(capsys, "--model", str(llama8b), "--devices", str(DATA / "devices-h100.json"),
-                              "--max-num-seqs", "4096")
+                              "--kv-cache-memory", "200GiB")
     assert code == 2 and doc["refusals"]
     section = plan_section(doc)
     assert "REFUSED" in section and 'class="track"' not in section
@@ -177,7 +181,9 @@ def test_the_live_page_draws_the_plan_with_the_same_section_as_the_static_one(de
     assert 'id="chart"' not in plan_page(demo_plan)
     data = json.loads(re.search(r"data-plan='([^']*)'", live).group(1).replace("&quot;", '"'))
     assert data == {"predicted": demo_plan["predicted_peak_bytes"], "admission": demo_plan["admission_bytes"],
-                    "capacity": demo_plan["capacity_bytes"]}
+                    "capacity": demo_plan["capacity_bytes"], "kv_pool": demo_plan["kv"]["pool"]["bytes"],
+                    "kv_sequences": demo_plan["kv"]["pool"]["full_length_sequences"]}
+    assert "vllm:kv_cache_usage_perc" in live and 'id="m-kv"' in live
 
 
 def test_text_from_the_plan_is_escaped(demo_plan):

@@ -23,7 +23,7 @@ import pytest
 from browser import NO_BROWSER, Browser, chromium_or_skip, find_chromium, install_pending
 from servers import KEY, get, post
 
-from edge_core.artifact import DEMO_MODEL
+from edge_core.artifact.demo import DEMO_NAME
 
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 #: Present, or being installed by .ci/run (the tests then wait for it: chromium_or_skip).
@@ -40,7 +40,7 @@ MIN_POINTS = 3
 
 
 def complete(url: str, prompt: str, tokens: int) -> None:
-    body = json.dumps({"model": DEMO_MODEL.name, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+    body = json.dumps({"model": DEMO_NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
                        "ignore_eos": True}).encode()
     assert post(f"{url}/v1/completions", body) == 200
 

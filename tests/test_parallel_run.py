@@ -20,6 +20,7 @@ import sys
 import psutil
 import pytest
 
+from edge_core.artifact import DEMO_MODEL
 from edge_core.runtime.accept import ACCEPT_TOKENS
 
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
@@ -70,7 +71,8 @@ def test_parity_of_tp2_against_one_device_reports_each_first_divergence(tmp_path
     """Splitting the layers changes bf16 sums; the record says where each prompt's tokens first differ."""
     record = tmp_path / "parity.json"
     env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
-    proc = subprocess.run([sys.executable, "-m", "edge_core", "parity", "--tensor-parallel-size", "2",
+    proc = subprocess.run([sys.executable, "-m", "edge_core", "parity", "--model", str(DEMO_MODEL),
+                           "--tensor-parallel-size", "2",
                            "--reference-tensor-parallel-size", "1", "--max-tokens", "32", "--json", str(record)],
                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL, env=env)
     assert proc.returncode in (0, 3), proc.stderr[-3000:]

@@ -17,6 +17,8 @@ import sys
 import psutil
 import pytest
 
+from edge_core.artifact import DEMO_MODEL
+
 NEEDS = [name for name in ("vllm", "edge_cpu") if importlib.util.find_spec(name) is None]
 pytestmark = [
     pytest.mark.engine,
@@ -31,7 +33,8 @@ pytestmark = [
 def test_pp2_generates_in_eager_mode_and_leaves_nothing_running(tmp_path):
     env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
     env.pop("VLLM_PLUGINS", None)  # every general plugin edge-cpu registers, as a user's run has them
-    proc = subprocess.run([sys.executable, "-m", "edge_core", "run", "--pipeline-parallel-size", "2",
+    proc = subprocess.run([sys.executable, "-m", "edge_core", "run", "--model", str(DEMO_MODEL),
+                           "--pipeline-parallel-size", "2",
                            "--prompt", "Hello there", "--max-tokens", "8", "--ignore-eos", "--json"],
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

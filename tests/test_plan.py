@@ -95,6 +95,31 @@ def test_peak_is_a_max_of_load_path_and_steady_state_not_a_sum():
     assert result.predicted_bytes == 20 and result.admission_bytes == 23
 
 
+def test_file_pages_are_seen_but_not_admitted_against():
+    from edge_core.budget import Reservation
+
+    terms = [
+        Reservation("weights", 100, "host_ram", "session_weights", "D"),
+        Reservation("runtime", 50, "host_ram", "session", "E", held_during_load=True),
+        Reservation("kv_cache", 20, "host_ram", "session", "D"),
+        Reservation("file_mapping", 100, "host_ram", "load", "E", reclaimable=True),
+        Reservation("repack", 30, "host_ram", "load", "E"),
+        Reservation("external_reserve", 7, "host_ram", "session", "E", headroom=True),
+    ]
+    peak = combine(terms, "host_ram")
+    # Held: what the session cannot run without. Reading (file pages) comes before re-packing (held), so the
+    # load path the tree PSS shows is the larger of the two phases, never their sum.
+    assert peak.held_load_path_bytes == 100 + 50 + 30 and peak.held_steady_state_bytes == 100 + 50 + 20
+    assert peak.load_path_bytes == 100 + 50 + max(100, 30) and peak.steady_state_bytes == 170
+    assert peak.held_bytes == 180 and peak.predicted_bytes == 250 and peak.reclaimable_bytes == 70
+    assert peak.admission_bytes == 180 + 7  # the file pages are not admitted against
+    grown = combine([*terms[:3], Reservation("file_mapping", 10_000, "host_ram", "load", "E", reclaimable=True),
+                     *terms[4:]], "host_ram")
+    assert grown.admission_bytes == peak.admission_bytes and grown.predicted_bytes == 150 + 10_000
+    doc = peak.to_dict()
+    assert doc["held_peak_bytes"] == 180 and doc["predicted_peak_bytes"] == 250 and doc["admission_bytes"] == 187
+
+
 def test_capacity_refusal_computes_a_context_that_really_fits(llama8b):
     devices, host_doc = load_device_list(str(DATA / "devices-rtx5090-laptop.json"))
     plan = make_plan(str(llama8b), session=SessionSpec(max_model_len=131072), devices=devices,
@@ -124,7 +149,8 @@ def test_70b_on_a_24_gib_host_is_refused_and_says_nothing_fits(llama70b, host_tr
     [refusal] = plan.refusals
     assert refusal.code == "budget_exceeds_device"
     assert refusal.details["max_model_len_that_fits"] == 0
-    assert "weights alone are 131.4 GiB" in refusal.remedy
+    assert "nothing fits even with the shortest context" in refusal.remedy
+    assert "(weights 131.42 GiB" in refusal.remedy  # 70.6e9 bf16 parameters: 131.42 GiB in the headers
 
 
 def test_candidate_order_is_private_pool_first_then_larger():
@@ -430,8 +456,9 @@ def test_edge_plan_explain_prints_the_refused_devices_reservations(llama70b, sma
     assert "budget    cpu (refused at the capacity gate):" in out
     for purpose in ("weights", "kv_cache", "activations", "external_reserve", "safety_margin"):
         assert any(line.split()[:1] == [purpose] for line in out.splitlines()), purpose
-    kv_mib = f"{expected_kv_70b(8192).bytes_vllm / 2**20:,.0f} MiB reserved (vLLM rule)"
-    assert f"kv cache {kv_mib}" in out
+    # Refused: not even one full-length sequence fits, so the pool shown is that one sequence's, vLLM's least.
+    kv_mib = f"{expected_kv_70b(8192).bytes_vllm / 2**20:,.0f} MiB (the least vLLM starts with"
+    assert f"kv cache pool {kv_mib}" in out
     assert "cuda:0 (refused" not in out  # refused at the format gate: no budget to show
 
 

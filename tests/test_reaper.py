@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from edge_core.artifact import DEMO_MODEL
 from edge_core.runtime.reaper import (
     MARKER,
     end_marked,
@@ -248,7 +249,8 @@ def tree_of(pid: int) -> list[tuple[int, float, list[str]]]:
 @pytest.mark.skipif(bool(NEEDS), reason=f"needs the real vLLM CPU build and edge-cpu; missing: {NEEDS}")
 def test_kill_9_of_edge_run_leaves_no_engine_process(started):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "edge_core", "run", "--max-tokens", "2000", "--ignore-eos", "--prompt", "Hello"],
+        [sys.executable, "-m", "edge_core", "run", "--model", str(DEMO_MODEL), "--max-tokens", "2000",
+         "--ignore-eos", "--prompt", "Hello"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
     started.add(proc.pid)
     assert proc.stdout is not None and proc.stderr is not None

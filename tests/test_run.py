@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from edge_core.artifact import DEMO_DIR
+from edge_core.artifact import DEMO_DIR, DEMO_MODEL
 from edge_core.cli.run import budget_lines
 from edge_core.plans import REFUSAL_CODES
 from edge_core.runtime.accept import PROMPTS
@@ -76,8 +76,13 @@ def _report(pss: tuple[int, int], rss: tuple[int, int], available: tuple[int, in
                                   counter("host_available", "available", available)))
 
 
-def _plan(predicted: int, headroom: int, pool: str = "host_ram"):
-    peak = SimpleNamespace(predicted_bytes=predicted, headroom_bytes=headroom, admission_bytes=predicted + headroom)
+def _plan(predicted: int, headroom: int, pool: str = "host_ram", held: int | None = None):
+    """A plan whose tree PSS is predicted to reach ``predicted``, of which ``held`` must be held (default: all)."""
+    from edge_core.budget import Peak
+
+    held = predicted if held is None else held
+    peak = Peak(load_path_bytes=predicted, steady_state_bytes=held, headroom_bytes=headroom,
+                held_load_path_bytes=held, held_steady_state_bytes=held)
     return SimpleNamespace(peak=peak, selected_device=SimpleNamespace(memory_pool=pool))
 
 
@@ -96,8 +101,18 @@ def test_memory_record_checks_each_covered_counter_against_its_own_budget():
     lines = budget_lines(memory)
     assert "host available -1,900 MiB" in lines[1]
     assert "predicted session peak 1,500 MiB" in lines[0] and "tree-PSS peak 1,400 MiB" in lines[0]
-    assert "ratio 1.071" in lines[0] and "admission budget 2,100 MiB" in lines[0]
+    assert "ratio 1.071" in lines[0] and "held peak 1,500 MiB + 600 MiB headroom = 2,100 MiB" in lines[0]
     assert "lower bound" in lines[-1]
+
+
+def test_the_run_record_checks_the_tree_pss_against_the_prediction_and_admits_on_the_held_peak():
+    # 300 MiB of the predicted peak are file pages (the checkpoint mapped while it loads): the PSS may show
+    # them, so the prediction it is checked against counts them; admission does not.
+    plan = _plan(predicted=1800 * MIB, headroom=600 * MIB, held=1500 * MIB)
+    memory = memory_record(plan, _report(pss=(20 * MIB, 1720 * MIB), rss=(30 * MIB, 1830 * MIB),
+                                         available=(20000 * MIB, 18100 * MIB)))
+    assert memory["counters"]["tree_pss"]["budget_bytes"] == 1800 * MIB and memory["verdict"] == "bounds"
+    assert memory["held_peak_bytes"] == 1500 * MIB and memory["admission_bytes"] == 2100 * MIB
 
 
 def test_a_budget_below_the_measurement_is_reported_as_a_bug():
@@ -157,7 +172,8 @@ def test_parity_refuses_a_reference_layout_the_model_cannot_split_before_any_eng
     code = (
         "import sys\n"
         "from edge_core.cli import main\n"
-        f"rc = main(['parity', '--reference-tensor-parallel-size', '3', '--json', {str(record)!r}])\n"
+        f"rc = main(['parity', '--model', {str(DEMO_MODEL)!r}, '--reference-tensor-parallel-size', '3', "
+        f"'--json', {str(record)!r}])\n"
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'loaded a runtime for a refusal'\n"
         "sys.exit(rc)\n"
     )
@@ -177,7 +193,7 @@ class TestRealEngine:
     pytestmark = needs_vllm
 
     @pytest.mark.xdist_group("demo_run")  # with test_newcomer.py's checks of the same run
-    def test_run_streams_tokens_and_prints_the_budget_line(self, demo_run):
+    def test_run_streams_tokens_and_prints_the_budget_line(self, demo_run, demo_model):
         done, _ = demo_run  # the suite's one `edge run` on the demo (conftest.py)
         assert done.returncode == 0, done.stderr[-3000:]
         out = done.stdout
@@ -187,12 +203,21 @@ class TestRealEngine:
         budget = next(line for line in out.splitlines() if line.startswith("budget"))
         assert "predicted session peak" in budget and "tree-PSS peak" in budget and "(bounds)" in budget
         assert "starting vllm:cpu on cpu" in done.stderr  # progress went to stderr, not stdout
+        # --max-model-len auto on a pool of two blocks: vLLM's auto-fit gives one sequence one block (the other is
+        # the null block), and vLLM started with exactly that context and that pool.
+        from conftest import DEMO_RUN_CONTEXT, demo_run_pool_bytes
+
+        assert f"max_model_len {DEMO_RUN_CONTEXT} (auto)" in out
+        engine = next(line for line in out.splitlines() if line.startswith("  engine "))
+        assert f"max_model_len={DEMO_RUN_CONTEXT}," in engine
+        assert f"kv_cache_memory_bytes={demo_run_pool_bytes(demo_model)}," in engine
 
     def test_ctrl_c_cancels_cleanly_with_exit_130(self):
         # One rank. Two ranks stopped by SIGINT, every rank reaped: tests/test_serve.py's TP 2 server; the
         # cancel of a TP 2 run's request: the TP 2 acceptance run's criterion (tests/test_parallel_run.py).
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_core", "run", "--max-tokens", "1900", "--ignore-eos",
+            [sys.executable, "-m", "edge_core", "run", "--model", str(DEMO_MODEL), "--max-tokens", "1900",
+             "--ignore-eos",
              "--prompt", "Hello"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -229,7 +254,7 @@ class TestRealEngine:
         # 32 tokens a prompt, not the default 128 (which test_the_cli_help_counts_are_the_runtimes_acceptance_figures
         # checks): two engines decoding 384 tokens each can share the machine with another test.
         record = tmp_path / "parity.json"
-        done = _edge("parity", "--max-tokens", "32", "--json", str(record))
+        done = _edge("parity", "--model", str(DEMO_MODEL), "--max-tokens", "32", "--json", str(record))
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         doc = json.loads(record.read_text())
         assert doc["schema"] == "edge.parity" and doc["outcome"] == "identical"

@@ -25,9 +25,10 @@ import urllib.request
 
 import psutil
 import pytest
-from servers import KEY, Server, free_port, get, port_is_free, post
+from servers import DEMO_QUESTION, KEY, Server, free_port, get, port_is_free, post
 
 from edge_core.artifact import DEMO_MODEL, DEMO_MODEL_HD16
+from edge_core.artifact.demo import DEMO_NAME
 from edge_core.errors import UsageError
 from edge_core.runtime.serve import bind_listener
 
@@ -116,25 +117,30 @@ class TestRealServer:
 
     def test_models_lists_the_served_name(self, served):
         names = [m.id for m in self.client(served).models.list().data]
-        assert names == [DEMO_MODEL.name]
+        assert names == [DEMO_NAME]
 
     def test_a_completion_and_a_streamed_completion(self, served):
         client = self.client(served)
-        done = client.completions.create(model=DEMO_MODEL.name, prompt="The gateway box", max_tokens=8,
+        done = client.completions.create(model=DEMO_NAME, prompt="The gateway box", max_tokens=8,
                                          temperature=0)
         assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens >= 1
         pieces = [c.choices[0].text for c in client.completions.create(
-            model=DEMO_MODEL.name, prompt="The gateway box", max_tokens=8, temperature=0, stream=True)]
+            model=DEMO_NAME, prompt="The gateway box", max_tokens=8, temperature=0, stream=True)]
         assert "".join(pieces) == done.choices[0].text  # greedy: the stream is the same text, in pieces
         assert len(pieces) > 1
 
     def test_a_chat_completion(self, served):
         done = self.client(served).chat.completions.create(
-            model=DEMO_MODEL.name, messages=[{"role": "user", "content": "Say something."}], max_tokens=6)
+            model=DEMO_NAME, messages=[{"role": "user", "content": "Say something."}], max_tokens=6)
         assert done.choices[0].message.role == "assistant" and done.usage.completion_tokens >= 1
 
+    def test_the_demo_model_answers_a_question_through_its_chat_template(self, served):
+        done = self.client(served).chat.completions.create(
+            model=DEMO_NAME, messages=[{"role": "user", "content": DEMO_QUESTION}], max_tokens=24, temperature=0)
+        assert "Paris" in done.choices[0].message.content, done.choices[0].message.content
+
     def test_a_one_token_prompt_works(self, served):
-        done = self.client(served).completions.create(model=DEMO_MODEL.name, prompt="Hi", max_tokens=4)
+        done = self.client(served).completions.create(model=DEMO_NAME, prompt="Hi", max_tokens=4)
         assert done.usage.prompt_tokens <= 3 and done.usage.completion_tokens >= 1
 
     def test_eight_concurrent_streams_each_get_their_own_text(self, served):
@@ -145,7 +151,7 @@ class TestRealServer:
 
         def one(i: int) -> None:
             try:
-                stream = client.completions.create(model=DEMO_MODEL.name, prompt=prompts[i], max_tokens=16,
+                stream = client.completions.create(model=DEMO_NAME, prompt=prompts[i], max_tokens=16,
                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
                 results[i] = "".join(c.choices[0].text for c in stream)
             except BaseException as exc:  # noqa: BLE001 — reported below
@@ -158,12 +164,12 @@ class TestRealServer:
             t.join(180)
         assert not errors and len(results) == 8
         # Each stream's text is what the same prompt gives alone (greedy, its own request, not another's).
-        alone = client.completions.create(model=DEMO_MODEL.name, prompt=prompts[3], max_tokens=16, temperature=0,
+        alone = client.completions.create(model=DEMO_NAME, prompt=prompts[3], max_tokens=16, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0].text
         assert results[3] == alone
 
     def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(self, served):
-        body = json.dumps({"model": DEMO_MODEL.name, "prompt": "Tokens arrive one at a time", "max_tokens": 1500,
+        body = json.dumps({"model": DEMO_NAME, "prompt": "Tokens arrive one at a time", "max_tokens": 1500,
                            "stream": True, "ignore_eos": True}).encode()
         def generated_total() -> float:
             _, metrics = get(f"{served.url}/metrics")
@@ -197,13 +203,13 @@ class TestRealServer:
 
     def test_bad_client_input_gets_a_4xx_and_the_server_keeps_serving(self, served):
         url = f"{served.url}/v1/completions"
-        too_long = json.dumps({"model": DEMO_MODEL.name, "prompt": "word " * 5000, "max_tokens": 4}).encode()
+        too_long = json.dumps({"model": DEMO_NAME, "prompt": "word " * 9000, "max_tokens": 4}).encode()
         assert 400 <= post(url, too_long) < 500
-        assert 400 <= post(url, json.dumps({"model": DEMO_MODEL.name, "prompt": "x", "max_tokens": 0}).encode()) < 500
-        huge = json.dumps({"model": DEMO_MODEL.name, "prompt": "x", "max_tokens": 10**9}).encode()
+        assert 400 <= post(url, json.dumps({"model": DEMO_NAME, "prompt": "x", "max_tokens": 0}).encode()) < 500
+        huge = json.dumps({"model": DEMO_NAME, "prompt": "x", "max_tokens": 10**9}).encode()
         assert 400 <= post(url, huge) < 500
         assert 400 <= post(url, b"{not json") < 500
-        assert post(url, json.dumps({"model": DEMO_MODEL.name, "prompt": "Still here", "max_tokens": 2}).encode()) \
+        assert post(url, json.dumps({"model": DEMO_NAME, "prompt": "Still here", "max_tokens": 2}).encode()) \
             == 200
 
     def test_the_plan_and_the_memory_gauges_answer(self, served):

@@ -49,6 +49,9 @@ def answering_backend() -> types.ModuleType:
         def __init__(self, options):
             self.options = options
 
+        def kv_cache_usage(self):  # the optional method: a quarter of the KV pool in use
+            return 0.25
+
         def run(self):
             self.options.on_ready(self.options.url)
             for _ in PATHS:
@@ -134,6 +137,11 @@ def test_edge_plan_and_edge_memory_carry_the_json_envelope(served):
     memory = json.loads(answers["/edge/memory"][1])
     assert (memory["schema"], memory["schema_version"]) == ("edge.memory", SCHEMA_VERSION)
     assert memory["predicted_peak_bytes"] == plan.peak.predicted_bytes
+    assert memory["held_peak_bytes"] == plan.peak.held_bytes and memory["admission_bytes"] == plan.peak.admission_bytes
+    # The pool's use, as the server reports it, against the plan's pool.
+    pool = next(r.bytes for r in plan.reservations if r.purpose == "kv_cache")
+    assert pool == plan.kv.pool.bytes and memory["kv_pool_bytes"] == pool
+    assert memory["kv_cache_usage"] == 0.25 and memory["kv_cache_used_bytes"] == pool // 4
 
 
 def test_the_page_is_the_live_page_of_the_plan_document_served_at_edge_plan(served):

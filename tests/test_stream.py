@@ -70,10 +70,19 @@ def test_stage_request_validates_and_serialises():
     assert json.loads(json.dumps(req.to_dict()))["prompt_token_ids"] == [1, 2]
     graph = StageRequest(inputs={"input_ids": FakeArray()}, max_tokens=1)
     assert graph.to_dict()["inputs"]["input_ids"]["nbytes"] == 4096
-    with pytest.raises(ValueError, match="prompt, prompt_token_ids or inputs"):
+    with pytest.raises(ValueError, match="prompt, prompt_token_ids, messages or inputs"):
         StageRequest(max_tokens=4)
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="not prompt and prompt_token_ids"):
         StageRequest(prompt="a", prompt_token_ids=(1,))
+    chat = StageRequest(messages=[{"role": "user", "content": "hi"}])
+    assert chat.messages == ({"role": "user", "content": "hi"},)
+    assert json.loads(json.dumps(chat.to_dict()))["messages"] == [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="not prompt and messages"):
+        StageRequest(prompt="a", messages=({"role": "user", "content": "hi"},))
+    with pytest.raises(ValueError, match="each message is"):
+        StageRequest(messages=({"role": "user"},))
+    with pytest.raises(ValueError, match="messages is empty"):
+        StageRequest(messages=())
     with pytest.raises(ValueError, match="max_tokens"):
         StageRequest(prompt="a", max_tokens=0)
 

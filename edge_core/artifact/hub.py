@@ -203,7 +203,8 @@ def local_hint(ref: str) -> str:
         close = near(parent, name)
         return f"; no local directory {ref} either" + (f" ({parent}/ holds {', '.join(close)})" if close else "")
     close = near("", parent)
-    return f"; no local directory {parent}/ either (here: {', '.join(c + '/' for c in close)})" if close else ""
+    here = f" (here: {', '.join(c + '/' for c in close)})" if close else f" in {os.getcwd()}"
+    return f"; no local directory {parent}/ either{here}"
 
 
 def _not_cached(repo: str, revision: str | None, settings: HubSettings) -> ArtifactError:

@@ -10,12 +10,17 @@ never a traceback.
 from __future__ import annotations
 
 import os
+import shlex
 
 from ..errors import ArtifactError
 from ..manifest import Manifest
 from ._files import listdir
 from .checkpoint import INDEX_NAME, read_checkpoint
+from .gguf import is_gguf
 
+#: The vLLM release whose missing GGUF loader the refusal of a GGUF file names (GGUF left vLLM's core for a
+#: separate CUDA-only plugin).
+VLLM_WITHOUT_GGUF = "0.32"
 #: Appears in a refusal only when input reached a case no check anticipated.
 INTERNAL_MARK = "unanticipated input (an edge bug)"
 
@@ -66,12 +71,29 @@ def missing_path(root: str) -> ArtifactError:
     return ArtifactError("artifact_invalid", f"{root} does not exist{where}", remedy, root)
 
 
+def gguf_refusal(root: str) -> ArtifactError:
+    """A GGUF file is not a checkpoint vLLM loads: what it is, and the `edge import` line that makes it one."""
+    from .gguf import read_gguf_header
+    from .gguf_map import plan_conversion
+
+    header = read_gguf_header(root)  # a malformed file is refused as artifact_invalid here
+    conversion = plan_conversion(header)  # an architecture or tensor type import cannot take, refused here
+    return ArtifactError(
+        "gguf_needs_import",
+        f"{root} is a GGUF file (llama.cpp's format: {header.describe()}); vLLM {VLLM_WITHOUT_GGUF} has no GGUF "
+        "loader: it runs the checkpoint `edge import` makes of it",
+        f"edge import {shlex.quote(root)} --out DIR (writes a {conversion.weight_bytes / 2**20:,.0f} MiB "
+        f"{conversion.dtype} checkpoint), then --model DIR", root)
+
+
 def _read(root: str, digest_weights: bool) -> Manifest:
     if os.path.isfile(root):
         if root.lower().endswith(".onnx"):
             from .graph import read_graph_manifest  # loaded for graphs only, like onnx itself
 
             return read_graph_manifest(os.path.dirname(root), os.path.basename(root), digest_weights)
+        if root.lower().endswith(".gguf") or is_gguf(root):
+            raise gguf_refusal(root)
         raise ArtifactError("artifact_invalid", f"{root} is a file, not a model directory",
                             "pass the directory that holds config.json and the *.safetensors files, or a .onnx graph",
                             root)

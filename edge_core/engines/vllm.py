@@ -49,6 +49,11 @@ class VllmRules:
     def charge_note(self, settings: ChargeSettings, in_flight: str, rounding: str) -> str:
         return vllm_allocator.charge_note(in_flight, rounding)
 
+    def carve_pool(self, pool_bytes: int, *, sequence_bytes: int, block_bytes: int, max_num_seqs: int
+                   ) -> tuple[int, int, int, float]:
+        return vllm_allocator.carve_pool(pool_bytes, sequence_bytes=sequence_bytes, block_bytes=block_bytes,
+                                         max_num_seqs=max_num_seqs)
+
     def launch_env(self, device: Device, layout: Layout, session: SessionSpec, host: HostFacts | None,
                    devices: list[Device]) -> tuple[dict[str, str], str | None]:
         return vllm_launch.launch_env(device, layout, session, host, devices)

@@ -1,4 +1,5 @@
-"""What vLLM's own KV allocator reserves for a layout: whole blocks, group padding, state pages, the null block.
+"""What vLLM's own KV allocator reserves for a layout, and how it carves a pool: whole blocks, group padding,
+state pages, the null block.
 
 An emulation of the v1 KV cache manager of the vLLM edge-cpu pins
 (``v1/kv_cache_interface.py``, ``v1/core/kv_cache_utils.py``,
@@ -181,3 +182,25 @@ def charge_note(in_flight: str, rounding: str) -> str:
     return ("vLLM 0.32 allocator: full layers max_model_len; sliding layers "
             f"min(window - 1 + in-flight tokens, max_model_len), in flight = {in_flight}; "
             f"chunked layers as full (hybrid manager off); {rounding}")
+
+
+def carve_pool(pool_bytes: int, *, sequence_bytes: int, block_bytes: int, max_num_seqs: int
+               ) -> tuple[int, int, int, float]:
+    """How vLLM carves a KV pool of ``pool_bytes``: (blocks, blocks per full-length sequence, full-length
+    sequences it holds at once, vLLM's logged concurrency).
+
+    ``get_kv_cache_config_from_groups``: ``num_blocks = available // bytes_per_block``
+    (``block_bytes``, one block across every layer); the ``BlockPool`` holds one
+    back as its null block, so ``num_blocks - 1`` are the sequences'. A sequence
+    at ``max_model_len`` holds ``sequence_bytes // block_bytes`` of them.
+    ``get_max_concurrency_for_kv_cache_config`` logs ``num_blocks`` / blocks per
+    request (the null block included). ``block_bytes`` 0 (no block size known)
+    counts whole sequences; ``sequence_bytes`` 0 (no per-sequence cache) holds
+    ``max_num_seqs``.
+    """
+    if not sequence_bytes:
+        return (pool_bytes // block_bytes if block_bytes else 0), 0, max_num_seqs, float(max_num_seqs)
+    if not block_bytes:
+        return 0, 0, pool_bytes // sequence_bytes, pool_bytes / sequence_bytes
+    blocks, per_sequence = pool_bytes // block_bytes, sequence_bytes // block_bytes
+    return blocks, per_sequence, max(blocks - 1, 0) // per_sequence, blocks / per_sequence

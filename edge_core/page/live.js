@@ -118,8 +118,11 @@
   function engine(text, now) {
     var running = metric(text, "vllm:num_requests_running"), waiting = metric(text, "vllm:num_requests_waiting");
     var tokens = metric(text, "vllm:generation_tokens_total");
+    var usage = metric(text, "vllm:kv_cache_usage_perc");  // a fraction of the pool, 0..1 (vLLM's gauge)
     set("m-running", running === null ? "\u2013" : String(running));
     set("m-waiting", waiting === null ? "\u2013" : String(waiting));
+    set("m-kv", usage === null ? "\u2013" : (100 * usage).toFixed(1) + "% of " + mib(plan.kv_pool) +
+        (plan.kv_sequences ? " (holds " + plan.kv_sequences + " at full context)" : ""));
     if (tokens !== null && lastTokens && now > lastTokens.t) {
       set("m-tps", ((tokens - lastTokens.v) / (now - lastTokens.t)).toFixed(1) + " tok/s");
     }

@@ -86,12 +86,20 @@ def facts(plan: Mapping[str, Any]) -> str:
         ("layout", esc(parallel.get("label") or "one device")),
     ]
     if session:
-        rows.append(("session", f"{session.get('max_num_seqs')} sequence{'' if session.get('max_num_seqs') == 1 else 's'} × {session.get('max_model_len'):,} tokens"
+        auto = " <small>(auto: the longest one sequence holds in the pool)</small>" if session.get(
+            "max_model_len_auto") else ""
+        rows.append(("session", f"up to {session.get('max_num_seqs')} sequence{'' if session.get('max_num_seqs') == 1 else 's'} at once × {session.get('max_model_len'):,} tokens{auto}"
                                 f", KV {esc(session.get('kv_dtype'))}, "
                                 f"{'eager' if session.get('enforce_eager') else 'compiled'}"))
+    pool = (plan.get("kv") or {}).get("pool") or None
+    if pool:
+        rows.append(("KV pool", f"{mib(pool.get('bytes'))} <small>({esc(pool.get('guarantee'))})</small>"))
     if plan.get("admitted"):
-        rows.append(("predicted peak", mib(plan.get("predicted_peak_bytes"))))
-        rows.append(("admission", f"{mib(plan.get('admission_bytes'))} <small>(predicted peak + headroom)</small>"))
+        peak = plan.get("peak") or {}
+        rows.append(("held peak", f"{mib(peak.get('held_peak_bytes'))} <small>(what must be held)</small>"))
+        rows.append(("predicted peak", f"{mib(plan.get('predicted_peak_bytes'))} <small>(what the tree PSS may "
+                                       "read, reclaimable file pages included)</small>"))
+        rows.append(("admission", f"{mib(plan.get('admission_bytes'))} <small>(held peak + headroom)</small>"))
         rows.append(("capacity", f"{gib(plan.get('capacity_bytes'))} <small>({mib(plan.get('capacity_bytes'))})"
                                  "</small>"))
     if plan.get("decision_time_s") is not None:
@@ -145,6 +153,7 @@ def rows_of(terms: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[int, Map
 
     The rows follow the budget's rule (edge_core/budget.py): the load path holds the ``load`` terms, the
     weights and what is ``held_during_load``; the steady state every other term; the headroom is kept free.
+    Reclaimable terms (file pages) are drawn in their row but marked: admission does not count them.
     """
     rows: dict[str, list[tuple[int, Mapping[str, Any]]]] = {"steady": [], "load": [], "headroom": []}
     for number, term in enumerate(terms, 1):
@@ -169,9 +178,11 @@ def segment(number: int, term: Mapping[str, Any], scale: float) -> str:
     if width <= 0:
         return ""
     label = f"<span>{number}</span>" if width >= LABEL_MIN_PCT else ""
-    title = f"{number}. {term.get('purpose')}: {mib(term.get('bytes'))}"
-    return (f'<i class="seg p{(number - 1) % PATTERNS}" style="width:{width:.3f}%" title="{esc(title)}">'
-            f"{label}</i>")
+    reclaimable = bool(term.get("reclaimable"))
+    title = (f"{number}. {term.get('purpose')}: {mib(term.get('bytes'))}"
+             + (" (reclaimable file pages: not admitted against)" if reclaimable else ""))
+    return (f'<i class="seg p{(number - 1) % PATTERNS}{" reclaim" if reclaimable else ""}" '
+            f'style="width:{width:.3f}%" title="{esc(title)}">{label}</i>')
 
 
 def bar_row(label: str, total: int, segments: Iterable[str]) -> str:
@@ -191,17 +202,20 @@ def bars(budget: Mapping[str, Any], scale: int, caption: str) -> str:
     peak = budget["peak"]
     rows = rows_of(terms)
     predicted = int(peak.get("predicted_peak_bytes") or 0)
+    held = int(peak.get("held_peak_bytes", predicted) or 0)
     admission = int(peak.get("admission_bytes") or 0)
-    predicted_block = (f'<i class="seg predicted" style="width:{pct(predicted, scale):.3f}%" '
-                       f'title="predicted peak: {mib(predicted)}"><span>peak</span></i>')
+    held_block = (f'<i class="seg predicted" style="width:{pct(held, scale):.3f}%" '
+                  f'title="held peak: {mib(held)}"><span>held</span></i>')
     body = [
         bar_row("steady state", int(peak.get("steady_state_bytes") or 0),
                 (segment(n, t, scale) for n, t in rows["steady"])),
         bar_row("load path", int(peak.get("load_path_bytes") or 0), (segment(n, t, scale) for n, t in rows["load"])),
-        bar_row("admission", admission, [predicted_block, *(segment(n, t, scale) for n, t in rows["headroom"])]),
+        bar_row("admission", admission, [held_block, *(segment(n, t, scale) for n, t in rows["headroom"])]),
     ]
-    marks = [marker("m-peak", f"predicted peak {mib(predicted)}", predicted, scale),
-             marker("m-admit", f"admission {mib(admission)}", admission, scale)]
+    marks = [marker("m-admit", f"admission {mib(admission)}", admission, scale)]
+    if predicted != held:
+        marks.insert(0, marker("m-peak", f"predicted PSS {mib(predicted)}", predicted, scale))
+    marks.insert(0, marker("m-held", f"held peak {mib(held)}", held, scale))
     return (f'<figure class="bars"><figcaption>{caption}</figcaption>'
             f'<div class="plot">{"".join(body)}<div class="marks">{"".join(marks)}</div></div></figure>')
 
@@ -225,7 +239,8 @@ def budget_figure(budget: Mapping[str, Any], *, several: bool) -> str:
 def terms_table(terms: Sequence[Mapping[str, Any]], capacity: int) -> str:
     rows = []
     for number, term in enumerate(terms, 1):
-        kind = "headroom" if term.get("headroom") else term.get("lifetime")
+        kind = ("headroom" if term.get("headroom") else
+                f"{term.get('lifetime')}, reclaimable (file pages)" if term.get("reclaimable") else term.get("lifetime"))
         note = term.get("note") or ""
         name = (f"<details><summary>{esc(term.get('purpose'))}</summary><small>{esc(note)}</small></details>"
                 if note else esc(term.get("purpose")))
@@ -268,12 +283,14 @@ def plan_page(plan: Mapping[str, Any]) -> str:
 
 def live_section(plan: Mapping[str, Any]) -> str:
     peak = plan.get("peak") or {}
+    pool = (plan.get("kv") or {}).get("pool") or {}
     data = {"predicted": peak.get("predicted_peak_bytes"), "admission": peak.get("admission_bytes"),
-            "capacity": plan.get("capacity_bytes")}
+            "capacity": plan.get("capacity_bytes"), "kv_pool": pool.get("bytes"),
+            "kv_sequences": pool.get("full_length_sequences")}
     figures = [("m-current", "measured now"), ("m-peak", "measured peak"), ("m-predicted", "predicted peak"),
                ("m-ratio", "predicted ÷ measured"), ("m-exceeded", "samples over prediction"),
                ("m-running", "requests running"), ("m-waiting", "requests waiting"),
-               ("m-tps", "generated tokens/s")]
+               ("m-kv", "KV pool in use"), ("m-tps", "generated tokens/s")]
     cells = "".join(f'<div><span class="k">{label}</span><span class="v" id="{key}">–</span></div>'
                     for key, label in figures)
     ranks = (' <span class="l-rank"></span> each rank\'s worker' if (plan.get("parallel") or {}).get("ranks")

@@ -11,7 +11,8 @@ The answer's types are the contract's (:mod:`edge_core.plans`). Modules: :mod:`.
 :mod:`.decode` (a whole decode session), :mod:`.graph_stage` (one
 exported-graph stage), :mod:`.kv` (KV-cache arithmetic), :mod:`.terms` (the
 core's memory terms), :mod:`.capacity` (what admission checks against),
-:mod:`.remedies`, :mod:`.committed` (what live sessions on this host already hold),
+:mod:`.pool` (the KV pool's size and ``--max-model-len auto``), :mod:`.remedies`,
+:mod:`.committed` (what live sessions on this host already hold),
 :mod:`.execution` (eager or compiled: the user's flag, else the backend's default).
 
 Backends take the types they are handed from the contract, so nothing on the

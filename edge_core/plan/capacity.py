@@ -3,7 +3,8 @@
 One meaning everywhere: **capacity** is what the plan's admission bytes are
 checked against — the VRAM *total* for a private pool (the session fills the
 card), the *usable* host RAM for the shared pool (MemAvailable, clamped by the
-process's cgroup limit). With no host facts (a device list from another
+room left under the memory limit that binds the process: its own cgroup's or an
+ancestor's, :func:`edge_core.host.read_cgroup_memory`). With no host facts (a device list from another
 machine), the CPU row of the list carries the host pool.
 """
 
@@ -24,7 +25,10 @@ def capacity_of(device: Device, host: HostFacts | None, devices: Iterable[Device
     if host is not None:
         how = "host RAM available"
         if host.cgroup_limit_bytes is not None and host.usable_bytes < host.mem_available_bytes:
-            how += ", clamped by the cgroup limit"
+            how += (f", clamped by the cgroup memory limit {host.cgroup_limit_bytes / 2**20:,.0f} MiB of "
+                    f"{host.cgroup_memory_path or 'this process'}"
+                    + (f" ({host.cgroup_usage_bytes / 2**20:,.0f} MiB already held there)"
+                       if host.cgroup_usage_bytes else ""))
         return host.usable_bytes, how
     for row in (device, *devices):
         if row.kind == "cpu" and row.memory_pool == "host_ram" and row.memory_bytes:

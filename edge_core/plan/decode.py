@@ -16,14 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ArtifactError, UsageError
 from ..plans import STAGE_ONLY_KINDS, DeviceVerdict, ExecutionMode, Plan, Refusal, SessionSpec
+from .capacity import capacity_of
+from .committed import pool_key
 from .execution import execution_mode, with_mode
 from .gates import Judgement, Owner, Walk, backend_budget, budget_gates, format_gate, walk
 from .kv import estimate_kv
-from .remedies import capacity_refusal, no_backend_refusal, shorter_context_fallbacks
+from .pool import choose_pool, fitted_context, largest_pool, with_context
+from .remedies import capacity_refusal, no_backend_refusal, pool_too_small_refusal, shorter_context_fallbacks
 from .terms import core_reservations
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from ..budget import Peak, Reservation
     from ..devices import Device
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from ..manifest import Manifest
     from ..services.host_ledger import LedgerView
     from ..services.registry import PluginRecord, Registry
+    from .gates import Budget
 
 #: Engine default when the user sets no token budget per forward pass.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -57,6 +61,8 @@ class DeviceOutcome:
     kv: KVEstimate | None = None
     notes: tuple[str, ...] = field(default=())
     execution: ExecutionMode | None = None
+    #: The session as this device plans it: ``--max-model-len auto`` fitted to its pool (None before the format gate).
+    session: SessionSpec | None = None
 
     def verdict(self, device_id: str, selected: bool = False, note: str | None = None) -> DeviceVerdict:
         """This outcome as the plan's verdict row for ``device_id``."""
@@ -69,10 +75,12 @@ def resolve_session(manifest: Manifest, session: SessionSpec) -> SessionSpec:
     """Fill the limits the user left open from the checkpoint; reject impossible ones."""
     config = manifest.config
     native = config.get("max_position_embeddings") or config.get("n_positions") or config.get("seq_length")
-    max_model_len = session.max_model_len or native
+    max_model_len = (None if session.max_model_len_auto else session.max_model_len) or native
     if not isinstance(max_model_len, int) or max_model_len <= 0:
         raise UsageError(
-            f"{manifest.path}: config.json gives no max_position_embeddings; pass --max-model-len"
+            f"{manifest.path}: config.json gives no max_position_embeddings; pass --max-model-len N"
+            + (" (auto fits up to the model's own context, which it does not state)"
+               if session.max_model_len_auto else "")
         )
     if isinstance(native, int) and max_model_len > native:
         raise UsageError(
@@ -84,12 +92,16 @@ def resolve_session(manifest: Manifest, session: SessionSpec) -> SessionSpec:
     batched = session.max_num_batched_tokens or min(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
     if batched < 1:
         raise UsageError("--max-num-batched-tokens must be at least 1")
+    if session.kv_cache_memory_bytes is not None and session.kv_cache_memory_bytes < 1:
+        raise UsageError("--kv-cache-memory must be at least 1 byte")
     return SessionSpec(
         max_model_len=max_model_len,
         max_num_seqs=session.max_num_seqs,
         max_num_batched_tokens=batched,
         kv_dtype=session.kv_dtype,
         enforce_eager=session.enforce_eager,
+        max_model_len_auto=session.max_model_len_auto,
+        kv_cache_memory_bytes=session.kv_cache_memory_bytes,
     )
 
 
@@ -110,7 +122,7 @@ def engine_kwargs_for(manifest: Manifest, session: SessionSpec, device: Device, 
         "max_num_seqs": session.max_num_seqs,
         "max_num_batched_tokens": session.max_num_batched_tokens,
         "enforce_eager": session.enforce_eager,
-        "kv_cache_memory_bytes": kv.bytes_vllm,
+        "kv_cache_memory_bytes": kv.pool_bytes,
         "gpu_memory_utilization": round(fraction + 0.005, 2),
         "seed": 0,
     }
@@ -166,7 +178,7 @@ def plan_checkpoint(manifest: Manifest, *, session: SessionSpec, devices: list[D
     device, outcome = record.selected
     assert outcome.kv is not None and outcome.peak is not None
     capacity = outcome.capacity_bytes or 0  # unknown capacity (noted): engine_kwargs_for falls back to the device
-    session = with_mode(session, outcome.execution)
+    session = with_mode(outcome.session or session, outcome.execution)
     return Plan(
         admitted=True, model_path=manifest.path, session=session, manifest=manifest, selected_device=device,
         reservations=outcome.reservations, peak=outcome.peak, capacity_bytes=capacity,
@@ -227,10 +239,11 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
 
     Past the format gate the whole budget is computed before either later gate
     decides (it is pure arithmetic), so a device refused by its backend or by
-    capacity keeps the terms it was refused on. ``share`` is the part of a
-    parallel layout the device runs (:mod:`.parallel`): the budget is then its
-    ranks' weights, one per-rank KV pool per rank, and the backend's terms for
-    that many rank processes.
+    capacity keeps the terms it was refused on. The KV pool is sized here
+    (:mod:`.pool`), and ``--max-model-len auto`` fitted to it. ``share`` is
+    the part of a parallel layout the device runs (:mod:`.parallel`): the
+    budget is then its ranks' weights, one per-rank KV pool per rank, and the
+    backend's terms for that many rank processes.
     """
     if share is not None:
         manifest = replace(manifest, weight_bytes=share.weight_bytes)  # what this device loads
@@ -241,23 +254,127 @@ def plan_on_device(device: Device, manifest: Manifest, session: SessionSpec, hos
         return DeviceOutcome(refusals=(refusal,), gate="format", notes=notes)
     mode = execution_mode(device, manifest, session, owner.registry, owner.installed)
     session = with_mode(session, mode)
-    block, rules = device.extras.get("kv_block_size"), owner.rules()
-    kv = estimate_kv(manifest.config, max_model_len=int(session.max_model_len or 0),
-                     max_num_seqs=session.max_num_seqs, max_num_batched_tokens=session.max_num_batched_tokens,
-                     kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
-                     block_size=block if isinstance(block, int) else None,
-                     tp_size=share.layout.tp if share else 1, layer_range=share.layers if share else None,
-                     concurrent_batches=share.layout.pp if share else 1, rules=rules)
-    budget = backend_budget(owner, core_reservations(device, manifest, session, kv, share), manifest=manifest,
-                            session=session, host=host, devices=devices or (), share=share)
-    terms, total, capacity = list(budget.reservations), budget.peak, budget.capacity_bytes
-    gate, refusals = budget_gates(device, budget, ledger, lambda: capacity_refusal(
-        device, manifest, session, kv, terms, total, capacity or 0, budget.how, rules))
-    if gate is None and capacity is None:
-        notes += (f"{device.device_id}: pool capacity unknown (a device list without host facts); capacity not "
-                  "checked",)
-    return DeviceOutcome(refusals=refusals, gate=gate, reservations=budget.reservations, peak=total,
-                         capacity_bytes=capacity, kv=kv, notes=notes, execution=mode)
+    sizing = _PoolSizing(device, manifest, host, owner, devices or [], ledger, share)
+    if session.max_model_len_auto:
+        fitted, why = sizing.auto_context(session)
+        if not fitted:  # not one token's blocks: refused at the model's own context, with the remedy
+            kv = sizing.estimate(session)
+            if session.kv_cache_memory_bytes is None:
+                return sizing.outcome(session, kv.with_pool(kv.sequence_bytes + kv.block_bytes, "one_sequence",
+                                                                  sizing.rules), mode, notes)
+            kv = kv.with_pool(session.kv_cache_memory_bytes, "kv_cache_memory", sizing.rules)
+            return sizing.outcome(session, kv, mode, notes,
+                                  (pool_too_small_refusal(device, manifest, session, kv, sizing.rules),))
+        session = with_context(session, fitted)
+        notes += (f"{device.device_id}: --max-model-len auto: {fitted:,} tokens, {why}",)
+    kv = sizing.estimate(session)
+    asked = session.kv_cache_memory_bytes
+    if asked is not None and asked < kv.sequence_bytes + kv.block_bytes:
+        kv = kv.with_pool(asked, "kv_cache_memory", sizing.rules)
+        return sizing.outcome(session, kv, mode, notes, (pool_too_small_refusal(device, manifest, session, kv, sizing.rules),))
+    kv, shrunk = choose_pool(kv, session, sizing.passes(session), sizing.largest(session), sizing.rules)
+    if shrunk and kv.pool is not None and kv.pool.source == "fit":
+        notes += (f"{device.device_id}: a KV pool for {session.max_num_seqs} sequences at full context "
+                  f"({kv.bytes_vllm / 2**30:.2f} GiB) does not fit beside everything else; the pool is the largest "
+                  f"that does ({kv.pool.bytes / 2**30:.2f} GiB, {kv.pool.full_length_sequences:,} at full context)",)
+    return sizing.outcome(session, kv, mode, notes)
+
+
+class _PoolSizing:
+    """One device's KV arithmetic and budgets, each budget made once per (context, pool): what sizing the pool asks."""
+
+    def __init__(self, device: Device, manifest: Manifest, host: HostFacts | None, owner: Owner,
+                 devices: list[Device], ledger: LedgerView | None, share: DeviceShare | None) -> None:
+        self.device, self.manifest, self.host, self.owner = device, manifest, host, owner
+        self.devices, self.ledger, self.share = devices, ledger, share
+        self.rules = owner.rules()
+        self.ranks = share.ranks_here if share is not None else 1
+        self.capacity, _ = capacity_of(device, host, devices)
+        self.committed = ledger.committed_bytes(pool_key(device)) if ledger is not None else 0
+        self.budgets: dict[tuple[int, int, int, str], Budget] = {}
+
+    def estimate(self, session: SessionSpec) -> KVEstimate:
+        block = self.device.extras.get("kv_block_size")
+        share = self.share
+        return estimate_kv(self.manifest.config, max_model_len=int(session.max_model_len or 0),
+                           max_num_seqs=session.max_num_seqs, max_num_batched_tokens=session.max_num_batched_tokens,
+                           kv_dtype=session.kv_dtype, model_dtype=self.manifest.dtype or "bfloat16",
+                           block_size=block if isinstance(block, int) else None,
+                           tp_size=share.layout.tp if share else 1, layer_range=share.layers if share else None,
+                           concurrent_batches=share.layout.pp if share else 1, rules=self.rules)
+
+    def budget(self, session: SessionSpec, kv: KVEstimate) -> Budget:
+        key = (int(session.max_model_len or 0), int(session.max_num_batched_tokens or 0), kv.pool_bytes,
+               kv.pool.source if kv.pool is not None else "")
+        if key not in self.budgets:
+            self.budgets[key] = backend_budget(
+                self.owner, core_reservations(self.device, self.manifest, session, kv, self.share),
+                manifest=self.manifest, session=session, host=self.host, devices=self.devices, share=self.share)
+        return self.budgets[key]
+
+    def room(self) -> int | None:
+        """What admission may take here: capacity less what other live sessions hold unseen (None: unknown)."""
+        return None if self.capacity is None else self.capacity - self.committed
+
+    def passes(self, session: SessionSpec) -> Callable[[KVEstimate], bool]:
+        def passes(kv: KVEstimate) -> bool:
+            budget = self.budget(session, kv)
+            room = self.room()
+            return not budget.gated and (room is None or budget.peak.admission_bytes <= room)
+        return passes
+
+    def largest(self, session: SessionSpec) -> Callable[[KVEstimate], int]:
+        def largest(kv: KVEstimate) -> int:
+            room = self.room()
+            if room is None:
+                return kv.bytes_vllm
+            terms = list(self.budget(session, kv.with_pool(kv.bytes_vllm, "max_num_seqs", self.rules)).reservations)
+            return largest_pool(kv, terms, self.device.memory_pool, room, ranks=self.ranks)
+        return largest
+
+    def auto_context(self, session: SessionSpec) -> tuple[int, str]:
+        """``--max-model-len auto`` here: the longest context one sequence can hold in the pool, and how it was had.
+
+        On the user's pool, vLLM's auto-fit of it. Otherwise the model's own
+        context where one full-length sequence fits beside everything else,
+        else vLLM's auto-fit of the largest pool that fits. 0 when not even
+        one token's blocks fit.
+        """
+        kv = self.estimate(session)
+        native = int(session.max_model_len or 0)
+        asked = session.kv_cache_memory_bytes
+        if asked is not None:
+            fitted = fitted_context(self.manifest, session, kv, asked, self.rules)
+            return fitted, (f"the longest one sequence can hold in --kv-cache-memory {asked / 2**20:,.0f} MiB "
+                            f"(vLLM's auto-fit, of {native:,})")
+        room = self.room()
+        least = kv.with_pool(kv.sequence_bytes + kv.block_bytes, "one_sequence", self.rules)
+        if room is None or self.passes(session)(least):
+            return native, "the model's own context: one sequence of it fits beside everything else"
+        terms = list(self.budget(session, least).reservations)
+        unit = kv.block_bytes or 1
+        pool = largest_pool(kv, terms, self.device.memory_pool, room, ranks=self.ranks, least_bytes=2 * unit,
+                            most_bytes=least.pool_bytes, unit=unit)
+        fitted = fitted_context(self.manifest, session, kv, pool, self.rules) if pool else 0
+        return fitted, (f"the longest one sequence can hold in the largest KV pool that fits beside everything "
+                        f"else ({pool / 2**20:,.0f} MiB; vLLM's auto-fit, of {native:,})")
+
+    def outcome(self, session: SessionSpec, kv: KVEstimate, mode: ExecutionMode | None, notes: tuple[str, ...],
+                refusals: tuple[Refusal, ...] = ()) -> DeviceOutcome:
+        """The device's outcome with ``kv``'s pool: the gates' verdict on its budget, or ``refusals`` given."""
+        budget = self.budget(session, kv)
+        terms, total, capacity = list(budget.reservations), budget.peak, budget.capacity_bytes
+        if refusals:
+            gate: str | None = "capacity"
+        else:
+            gate, refusals = budget_gates(self.device, budget, self.ledger, lambda: capacity_refusal(
+                self.device, self.manifest, session, kv, terms, total, capacity or 0, budget.how, self.rules,
+                ranks=self.ranks))
+        if gate is None and capacity is None:
+            notes += (f"{self.device.device_id}: pool capacity unknown (a device list without host facts); capacity "
+                      "not checked",)
+        return DeviceOutcome(refusals=refusals, gate=gate, reservations=budget.reservations, peak=total,
+                             capacity_bytes=capacity, kv=kv, notes=notes, execution=mode, session=session)
 
 
 def left_out_plugins(plugins: list[PluginRecord]) -> str:

@@ -2,22 +2,21 @@
 
 Remedies are computed, never applied: edge does not shorten the context, swap
 precision or move the model on its own. A capacity remedy is the longest
-``max_model_len`` whose whole admission budget fits (found over the plan's own
-arithmetic, so replanning with it is admitted); a format remedy names the
-formats the device executes and the backends, in their own venvs, that run
-this one.
+``max_model_len`` at which one full-length sequence's KV pool fits beside
+everything else (what ``--max-model-len auto`` fits; found over the plan's own
+arithmetic, so replanning with it is admitted), or the ``--kv-cache-memory``
+that fits; a format remedy names the formats the device executes and the
+backends, in their own venvs, that run this one.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..artifact.formats import UNKNOWN_FORMAT_PREFIX
-from ..budget import combine
 from ..plans import Refusal
-from .kv import estimate_kv, largest_fitting
-from .terms import SAFETY_MARGIN_FRACTION
+from .kv import estimate_kv, largest_fitting, max_model_len_for
+from .pool import admission_with_kv, largest_pool
 
 if TYPE_CHECKING:
     from ..budget import Peak, Reservation
@@ -91,52 +90,108 @@ def format_refusal(device: Device, manifest: Manifest, formats: list[str], backe
     )
 
 
-def admission_with_kv(terms: list[Reservation], pool: str, kv_bytes: int) -> int:
-    """Admission bytes of ``terms`` if the KV pool were ``kv_bytes`` (margin recomputed on the new peak)."""
-    usage = [replace(t, bytes=kv_bytes) if t.purpose == "kv_cache" else t for t in terms if not t.headroom]
-    predicted = combine(usage, pool).predicted_bytes
-    headroom = sum(t.bytes for t in terms if t.headroom and t.purpose != "safety_margin")
-    return predicted + headroom + int(predicted * SAFETY_MARGIN_FRACTION)
-
-
 def largest_fitting_len(manifest: Manifest, session: SessionSpec, kv: KVEstimate, terms: list[Reservation],
-                        pool: str, capacity: int, rules: EngineRules) -> int:
-    """The largest ``max_model_len`` whose whole admission budget fits ``capacity`` (0 if none).
+                        pool: str, capacity: int, rules: EngineRules, ranks: int = 1) -> int:
+    """The largest ``max_model_len`` at which one full-length sequence's pool fits ``capacity`` (0 if none).
 
-    A bisection over the same arithmetic the plan uses (KV by the engine's
+    vLLM needs room for one sequence at ``max_model_len`` and schedules the
+    rest from the pool, so this is what ``--max-model-len auto`` fits. A
+    bisection over the same arithmetic the plan uses (KV by the engine's
     ``rules``, peak, headroom), so replanning with the answer is admitted.
     """
 
     def fits(tokens: int) -> bool:
-        kv_bytes = estimate_kv(manifest.config, max_model_len=tokens, max_num_seqs=session.max_num_seqs,
+        kv_bytes = estimate_kv(manifest.config, max_model_len=tokens, max_num_seqs=1,
                                max_num_batched_tokens=min(session.max_num_batched_tokens or tokens, tokens),
                                kv_dtype=session.kv_dtype, model_dtype=manifest.dtype or "bfloat16",
-                               block_size=kv.block_size, tp_size=kv.tp_size, layer_range=kv.layer_range,
+                               block_size=kv.base_block_size, tp_size=kv.tp_size, layer_range=kv.layer_range,
                                concurrent_batches=kv.concurrent_batches, rules=rules).bytes_vllm
-        return admission_with_kv(terms, pool, kv_bytes) <= capacity
+        return admission_with_kv(terms, pool, kv_bytes * ranks) <= capacity
 
     return largest_fitting(fits, int(session.max_model_len or 0))
 
 
+def size_flag(value: int, least: int = 0) -> str:
+    """``value`` bytes as ``--kv-cache-memory`` takes it: whole MiB rounded down, or bytes where that is below ``least``."""
+    mib = value >> 20
+    return f"{mib}MiB" if mib and mib << 20 >= least else str(value)
+
+
 def capacity_refusal(device: Device, manifest: Manifest, session: SessionSpec, kv: KVEstimate,
-                     terms: list[Reservation], peak: Peak, capacity: int, how: str, rules: EngineRules) -> Refusal:
-    """``budget_exceeds_device``, with the context that would fit (or why nothing does)."""
-    fits = largest_fitting_len(manifest, session, kv, terms, device.memory_pool, capacity, rules)
+                     terms: list[Reservation], peak: Peak, capacity: int, how: str, rules: EngineRules,
+                     ranks: int = 1) -> Refusal:
+    """``budget_exceeds_device``, with what would fit: a smaller ``--kv-cache-memory``, a shorter context, or nothing.
+
+    Without ``--kv-cache-memory`` the planner has already shrunk the pool to
+    the largest that fits, so a refusal means not even one full-length
+    sequence fits: the remedy is the context one sequence can hold
+    (``--max-model-len auto``).
+    """
+    pool = kv.pool
     weights = manifest.weight_bytes
-    if fits:
-        remedy = (f"--max-model-len {fits} fits ({capacity / 2**30:.1f} GiB {how}); or use a smaller or "
-                  "quantized build, or a device with more memory")
+    room = f"{capacity / 2**30:.1f} GiB {how}"
+    fits = largest_fitting_len(manifest, session, kv, terms, device.memory_pool, capacity, rules, ranks)
+    smaller = 0
+    if pool is not None and pool.source == "kv_cache_memory":
+        smaller = largest_pool(kv, terms, device.memory_pool, capacity, ranks=ranks, most_bytes=pool.bytes)
+    context = (f"--max-model-len auto ({fits:,} tokens: the longest one sequence can hold in the largest KV pool "
+               f"that fits, {room}), or --max-model-len {fits}") if fits else ""
+    if smaller:
+        fitted = kv.with_pool(smaller, "fit", rules).pool
+        assert fitted is not None
+        remedy = (f"--kv-cache-memory {size_flag(smaller, fitted.min_bytes)} fits ({room}; it "
+                  f"{fitted.guarantee()}); or use a smaller or quantized build, or a device with more memory")
+    elif fits:
+        remedy = f"{context}; or use a smaller or quantized build, or a device with more memory"
     else:
-        remedy = (f"nothing fits even with the shortest context: weights alone are {weights / 2**30:.1f} GiB "
-                  f"against {capacity / 2**30:.1f} GiB {how}; use a smaller or quantized build, or a device "
-                  "with more memory")
+        bare = admission_with_kv(terms, device.memory_pool, 0)
+        remedy = (f"nothing fits even with the shortest context: without any KV pool the session needs "
+                  f"{bare / 2**30:.2f} GiB (weights {weights / 2**30:.2f} GiB, the rest the runtime, its transients "
+                  f"and headroom) of {capacity / 2**30:.2f} GiB; use a smaller or quantized build, or a device with "
+                  "more memory")
+    what = ""
+    if pool is not None and pool.source == "one_sequence":
+        what = (f" (not even one sequence of {pool.max_model_len:,} tokens fits: its KV pool needs at least "
+                f"{pool.min_bytes / 2**20:,.0f} MiB, the least vLLM starts with)")
+    elif pool is not None and pool.source == "kv_cache_memory":
+        what = f" (with --kv-cache-memory {pool.bytes / 2**30:.2f} GiB)"
     return Refusal(
         code="budget_exceeds_device", device_id=device.device_id,
-        message=(f"needs {peak.admission_bytes / 2**30:.2f} GiB (predicted peak "
-                 f"{peak.predicted_bytes / 2**30:.2f} GiB + headroom {peak.headroom_bytes / 2**30:.2f} GiB) but "
-                 f"{device.device_id} has {capacity / 2**30:.2f} GiB ({how})"),
+        message=(f"needs {peak.admission_bytes / 2**30:.2f} GiB (held peak {peak.held_bytes / 2**30:.2f} GiB + "
+                 f"headroom {peak.headroom_bytes / 2**30:.2f} GiB) but {device.device_id} has "
+                 f"{capacity / 2**30:.2f} GiB ({how}){what}"),
         remedy=remedy,
-        details={"needed_bytes": peak.admission_bytes, "capacity_bytes": capacity, "max_model_len_that_fits": fits},
+        details={"needed_bytes": peak.admission_bytes, "capacity_bytes": capacity, "max_model_len_that_fits": fits,
+                 "kv_cache_memory_that_fits": smaller or None},
+    )
+
+
+def pool_too_small_refusal(device: Device, manifest: Manifest, session: SessionSpec, kv: KVEstimate,
+                           rules: EngineRules) -> Refusal:
+    """``budget_exceeds_device``: ``--kv-cache-memory`` holds no sequence of ``max_model_len`` tokens (vLLM would not start).
+
+    vLLM checks it at start (``check_enough_kv_cache_memory``: "To serve at
+    least one request with the model's max seq len ..."); the remedy is the
+    context the pool does hold (vLLM's auto-fit of it) or the pool that holds one.
+    """
+    pool = kv.pool
+    assert pool is not None
+    fits = max_model_len_for(manifest.config, pool.bytes, max_num_seqs=1,
+                             max_num_batched_tokens=session.max_num_batched_tokens, kv_dtype=session.kv_dtype,
+                             model_dtype=manifest.dtype or "bfloat16", block_size=kv.base_block_size,
+                             concurrent_batches=kv.concurrent_batches, ceiling_tokens=int(session.max_model_len or 0),
+                             tp_size=kv.tp_size, layer_range=kv.layer_range, rules=rules)
+    least = size_flag(-(-pool.min_bytes // 2**20) << 20)
+    context = (f"--max-model-len auto ({fits:,} tokens fit this pool) or --max-model-len {fits}, or "
+               if fits else "")
+    return Refusal(
+        code="budget_exceeds_device", device_id=device.device_id,
+        message=(f"--kv-cache-memory {pool.bytes / 2**20:,.0f} MiB holds no sequence of {pool.max_model_len:,} "
+                 f"tokens: one needs {pool.min_bytes / 2**20:,.0f} MiB of KV pool ({pool.blocks_per_sequence} "
+                 f"blocks and vLLM's null block), and vLLM refuses to start without room for one"),
+        remedy=f"{context}--kv-cache-memory {least} or more",
+        details={"kv_cache_memory_bytes": pool.bytes, "min_kv_cache_memory_bytes": pool.min_bytes,
+                 "max_model_len_that_fits": fits},
     )
 
 
@@ -147,5 +202,6 @@ def shorter_context_fallbacks(device: Device, refusals: list[Refusal]) -> list[d
         fits = refusal.details.get("max_model_len_that_fits") if refusal.details else None
         if refusal.code == "budget_exceeds_device" and fits:
             out.append({"kind": "shorter_context", "device_id": device.device_id, "max_model_len": fits,
-                        "approved": False, "note": "never applied silently: rerun with --max-model-len"})
+                        "approved": False,
+                        "note": "never applied silently: rerun with --max-model-len auto (or that length)"})
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..budget import Reservation
+from ..kv import POOL_SOURCES
 
 if TYPE_CHECKING:
     from ..devices import Device
@@ -25,8 +26,8 @@ HOST_EXTERNAL_RESERVE_BYTES = 512 << 20
 #: VRAM kept free beside the session: capacity is the card's total, and a
 #: display server or another process may hold a few hundred MiB. Evidence E.
 VRAM_EXTERNAL_RESERVE_BYTES = 512 << 20
-#: Safety margin as a fraction of the predicted peak: the sampled peak is a
-#: lower bound and the runtime terms are estimates. Evidence E.
+#: Safety margin as a fraction of the held peak (what admission counts): the
+#: sampled peak is a lower bound and the runtime terms are estimates. Evidence E.
 SAFETY_MARGIN_FRACTION = 0.05
 #: Bytes per activation element: vLLM CPU computes norms and logits in fp32.
 ACTIVATION_ELEMENT_BYTES = 4
@@ -67,11 +68,9 @@ def core_reservations(device: Device, manifest: Manifest, session: SessionSpec, 
     return [
         Reservation(purpose="weights", bytes=manifest.weight_bytes, pool=pool, lifetime="session_weights",
                     evidence="D", note=weights_note),
-        Reservation(purpose="kv_cache", bytes=kv.bytes_vllm * ranks, pool=pool, lifetime="session", evidence="D",
-                    note=f"{kv.max_model_len} tokens x {kv.max_num_seqs} seq, {kv.kv_dtype} "
-                    f"({kv.kv_dtype_bytes} B/elem), vLLM allocator rule, block {kv.block_size}; "
-                    f"pre-allocated at engine start{of}"
-                    + (f" (per rank: kv_cache_memory_bytes {kv.bytes_vllm})" if share is not None else "")),
+        Reservation(purpose="kv_cache", bytes=kv.pool_bytes * ranks, pool=pool, lifetime="session", evidence="D",
+                    note=kv_note(kv) + f"; pre-allocated at engine start{of}"
+                    + (f" (per rank: kv_cache_memory_bytes {kv.pool_bytes})" if share is not None else "")),
         Reservation(purpose="activations", bytes=activation_bytes(manifest.config, session, tp) * ranks, pool=pool,
                     lifetime="request", evidence="E",
                     note=f"{session.max_num_batched_tokens} batched tokens of hidden + MLP state and fp32 "
@@ -79,16 +78,26 @@ def core_reservations(device: Device, manifest: Manifest, session: SessionSpec, 
     ]
 
 
-def headroom_reservations(device: Device, predicted_bytes: int) -> list[Reservation]:
-    """The external reserve and the safety margin: kept free at admission, never forecast as usage."""
+def kv_note(kv: KVEstimate) -> str:
+    """The KV term's note: the pool, why that size, and what it guarantees."""
+    what = f"{kv.kv_dtype} ({kv.kv_dtype_bytes} B/elem), vLLM allocator rule, block {kv.block_size}"
+    pool = kv.pool
+    if pool is None:
+        return f"{kv.max_model_len} tokens x {kv.max_num_seqs} seq, {what}"
+    blocks = f"{pool.num_blocks:,} blocks of {pool.block_bytes:,} B, " if pool.block_bytes else ""
+    return f"one shared pool, {blocks}{POOL_SOURCES[pool.source]}: it {pool.guarantee()}; {what}"
+
+
+def headroom_reservations(device: Device, held_bytes: int) -> list[Reservation]:
+    """The external reserve and the safety margin on the held peak: kept free at admission, never forecast as usage."""
     pool = device.memory_pool
     reserve = HOST_EXTERNAL_RESERVE_BYTES if pool == "host_ram" else VRAM_EXTERNAL_RESERVE_BYTES
     return [
         Reservation(purpose="external_reserve", bytes=reserve, pool=pool, lifetime="session", evidence="E",
                     headroom=True, note="kept free for the OS and other processes; not forecast as usage"),
-        Reservation(purpose="safety_margin", bytes=int(predicted_bytes * SAFETY_MARGIN_FRACTION), pool=pool,
+        Reservation(purpose="safety_margin", bytes=int(held_bytes * SAFETY_MARGIN_FRACTION), pool=pool,
                     lifetime="session", evidence="E", headroom=True,
-                    note=f"{SAFETY_MARGIN_FRACTION:.0%} of the predicted peak; sampled peaks are lower bounds"),
+                    note=f"{SAFETY_MARGIN_FRACTION:.0%} of the held peak; sampled peaks are lower bounds"),
     ]
 
 

@@ -245,7 +245,8 @@ def admit(plan_once: PlanOnce, model: str, revision: str | None, *, command: str
                                artifact_id=plan.manifest.artifact_id if plan.manifest else None,
                                device_ids=(plan.selected_device.device_id,), reserved_bytes=ledger_bytes(plan),
                                predicted_peak_bytes=plan.peak.predicted_bytes,
-                               headroom_bytes=plan.peak.headroom_bytes)
+                               headroom_bytes=plan.peak.headroom_bytes, held_peak_bytes=plan.peak.held_bytes,
+                               kv_pool_bytes=sum(r.bytes for r in plan.reservations if r.purpose == "kv_cache"))
                 return plan
         waiting = {r.code for r in plan.refusals} == {"device_committed"}
         if not waiting or time.monotonic() >= deadline:

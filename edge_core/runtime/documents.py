@@ -10,7 +10,9 @@ from typing import Any
 
 #: Bumped when a JSON document changes incompatibly; each document carries it.
 #: 2: the plan's admission total is ``admission_bytes`` (was ``peak_bytes``).
-SCHEMA_VERSION = 2
+#: 3: the KV cache is one pool (``kv.pool``, ``session.kv_cache_memory_bytes``, ``max_model_len_auto``), and the
+#: admission is the held peak + headroom (``peak.held_*``; file pages are ``reclaimable``).
+SCHEMA_VERSION = 3
 
 
 def enveloped(kind: str, document: dict[str, Any]) -> dict[str, Any]:

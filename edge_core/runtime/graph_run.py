@@ -146,7 +146,7 @@ def admit_stage(plan: GraphStagePlan, ledger_dir: Path | None = None) -> Registr
         return taken.register(command=STAGE_COMMAND, model=plan.model_path, artifact_id=manifest.artifact_id,
                               device_ids=(device.device_id,), reserved_bytes=ledger_bytes(plan),
                               predicted_peak_bytes=plan.peak.predicted_bytes, headroom_bytes=plan.peak.headroom_bytes,
-                              session=False)
+                              held_peak_bytes=plan.peak.held_bytes, session=False)
 
 
 def session_holding(plan: GraphStagePlan) -> Registration | None:

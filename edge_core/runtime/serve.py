@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StageError, UsageError
 from ..page import PAGE_PATH, live_page
 from ..server import ServerOptions
-from ..services.host_ledger import set_state
+from ..services.host_ledger import current, set_state
 from .documents import enveloped
 from .env import versions
 from .logs import EngineLog
@@ -102,6 +102,11 @@ class MemoryWatch:
         self.observer = observer
         self.counter = counter
         self.predicted_bytes = plan.peak.predicted_bytes
+        self.held_bytes = plan.peak.held_bytes
+        self.kv_pool_bytes = sum(r.bytes for r in plan.reservations if r.purpose == "kv_cache")
+        #: The server's ``kv_cache_usage`` (:class:`~edge_core.server.ServerHandle`), once it has one.
+        self.kv_usage: Callable[[], float | None] | None = None
+        self.kv_cache_usage: float | None = None
         self.exceeded = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="edge-memory-watch", daemon=True)
@@ -115,14 +120,21 @@ class MemoryWatch:
         self._thread.join(5)
 
     def snapshot(self) -> dict[str, Any]:
+        self.read_kv_usage()
         report = self.sampler.report()
         entry = report.counter(self.counter)
         last = self.sampler.last_sample
         current = last.value(self.counter) if last is not None else None
         baseline = entry.baseline_bytes
+        usage = self.kv_cache_usage
         return {
             "counter": self.counter,
             "predicted_peak_bytes": self.predicted_bytes,
+            "held_peak_bytes": self.held_bytes,
+            "admission_bytes": self.plan.peak.admission_bytes if self.plan.peak is not None else None,
+            "kv_pool_bytes": self.kv_pool_bytes,
+            "kv_cache_usage": usage,
+            "kv_cache_used_bytes": int(usage * self.kv_pool_bytes) if usage is not None else None,
             "measured_peak_bytes": entry.attributable_peak_bytes,
             "measured_current_bytes": (current - baseline) if current is not None and baseline is not None else None,
             "ratio": (round(self.predicted_bytes / entry.attributable_peak_bytes, 4)
@@ -135,6 +147,7 @@ class MemoryWatch:
 
     def _loop(self) -> None:
         while not self._stop.wait(DEFAULT_PERIOD_S):
+            self.read_kv_usage()
             peak = self.sampler.report().counter(self.counter).attributable_peak_bytes
             if peak is not None and peak > self.predicted_bytes:
                 self.exceeded += 1
@@ -143,6 +156,15 @@ class MemoryWatch:
                         f"WARNING: measured {self.counter} peak {peak / 2**20:,.0f} MiB exceeds the predicted "
                         f"{self.predicted_bytes / 2**20:,.0f} MiB: the plan under-predicted this session; "
                         "please report it with `edge plan --json` and this server's /edge/memory")
+
+    def read_kv_usage(self) -> None:
+        """Ask the server how much of its KV pool is in use; a change goes into this session's ledger record."""
+        usage = self.kv_usage() if self.kv_usage is not None else None
+        if usage is not None and usage != self.kv_cache_usage:
+            self.kv_cache_usage = min(max(float(usage), 0.0), 1.0)
+            registration = current()
+            if registration is not None:
+                registration.update(kv_cache_usage=self.kv_cache_usage)
 
     def prometheus(self) -> bytes:
         snap = self.snapshot()
@@ -159,7 +181,17 @@ class MemoryWatch:
             "# HELP edge_memory_over_prediction_total Samples whose peak exceeded the prediction.",
             "# TYPE edge_memory_over_prediction_total counter",
             f"edge_memory_over_prediction_total {self.exceeded}",
+            "# HELP edge_memory_held_peak_bytes The plan's held peak (what admission counts, less headroom).",
+            "# TYPE edge_memory_held_peak_bytes gauge",
+            f"edge_memory_held_peak_bytes {self.held_bytes}",
+            "# HELP edge_kv_pool_bytes The plan's KV pool on this device.",
+            "# TYPE edge_kv_pool_bytes gauge",
+            f"edge_kv_pool_bytes {self.kv_pool_bytes}",
         ]
+        if snap["kv_cache_used_bytes"] is not None:
+            lines += ["# HELP edge_kv_pool_used_bytes The KV pool in use (the engine's usage times the plan's pool).",
+                      "# TYPE edge_kv_pool_used_bytes gauge",
+                      f"edge_kv_pool_used_bytes {snap['kv_cache_used_bytes']}"]
         return ("\n".join(lines) + "\n").encode()
 
 
@@ -291,6 +323,7 @@ def _run_server(plan: Plan, registry: Registry, watch: MemoryWatch, said: Observ
             owner = registry.owner(device)
             raise StageError(f"serve_unsupported: {owner.name if owner else plan.backend}'s start_server returned "
                              f"no server for {device.device_id}")
+        watch.kv_usage = getattr(handle, "kv_cache_usage", None)
         served.report = handle.run()
     finally:
         loading.__exit__(StageError, None, None)  # never ready: the step ends "stopped" (a no-op once closed)

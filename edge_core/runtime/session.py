@@ -65,7 +65,8 @@ if TYPE_CHECKING:
     from .measure import MemoryReport
 
 #: Which budget bounds which counter. The predicted peak is a forecast of the
-#: tree's PSS. Tree RSS (shared pages counted once per process) and host
+#: tree's PSS, file pages included (the held peak, what admission counts, leaves
+#: those out: the kernel reclaims them under a limit). Tree RSS (shared pages counted once per process) and host
 #: available memory (moved by every process on the host) are reported, not
 #: checked; see docs/vllm-cpu-facts.md, "Counters the budget does not bound".
 #: NVML's used bytes are the whole card's; on a GPU the session is what fills it.
@@ -239,6 +240,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "backend": plan.backend,
         "session": plan.session.to_dict(),
         "predicted_peak_bytes": plan.peak.predicted_bytes if plan.peak is not None else None,
+        "held_peak_bytes": plan.peak.held_bytes if plan.peak is not None else None,
         "headroom_bytes": plan.peak.headroom_bytes if plan.peak is not None else None,
         "admission_bytes": plan.peak.admission_bytes if plan.peak is not None else None,
         "capacity_bytes": plan.capacity_bytes,
@@ -277,6 +279,7 @@ def memory_record(plan: Plan, report: MemoryReport) -> dict[str, Any]:
     headline = counters.get("tree_pss") if plan.selected_device.memory_pool == "host_ram" else counters.get("device")
     return {
         "predicted_peak_bytes": peak.predicted_bytes,
+        "held_peak_bytes": peak.held_bytes,
         "headroom_bytes": peak.headroom_bytes,
         "admission_bytes": peak.admission_bytes,
         "measured_counter": headline["name"] if headline else None,

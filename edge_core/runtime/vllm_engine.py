@@ -300,14 +300,24 @@ class VllmStage:
             self._forget(state)
 
     async def _render(self, request: StageRequest) -> Any:
-        """Tokenize the prompt the way ``vllm.LLM.generate`` does (the renderer's completion defaults)."""
+        """Tokenize the prompt the way ``vllm.LLM.generate`` does (the renderer's completion defaults), or a
+        conversation the way ``vllm.LLM.chat`` and the OpenAI server's chat endpoint do (the model's chat
+        template, the assistant's turn opened, no special tokens added beside the template's own)."""
         from vllm.renderers.inputs.preprocess import parse_model_prompt
 
+        renderer = self.engine.renderer
+        if request.messages is not None:
+            from vllm.renderers import ChatParams
+
+            params = ChatParams(chat_template_kwargs={"add_generation_prompt": True, "continue_final_message": False})
+            tok_params = renderer.default_chat_tok_params.with_kwargs(add_special_tokens=False)
+            _, (engine_input,) = await renderer.render_chat_async([[dict(t) for t in request.messages]], params,
+                                                                  tok_params)
+            return engine_input
         if request.prompt_token_ids is not None:
             prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
         else:
             prompt = {"prompt": request.prompt}
-        renderer = self.engine.renderer
         parsed = parse_model_prompt(self.engine.model_config, prompt)
         (engine_input,) = await renderer.render_cmpl_async([parsed], renderer.default_cmpl_tok_params)
         return engine_input

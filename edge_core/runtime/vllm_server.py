@@ -71,6 +71,10 @@ class VllmServer:
 
     # -- the server's life -------------------------------------------------------
 
+    def kv_cache_usage(self) -> float | None:
+        """The share of the KV pool in use now (vLLM's gauge): :class:`~edge_core.server.ServerHandle`'s optional method."""
+        return kv_cache_usage()
+
     def run(self) -> ServerReport:
         started = time.monotonic()
         if threading.current_thread() is not threading.main_thread():
@@ -287,6 +291,21 @@ def finished_requests() -> tuple[int, int]:
             else:
                 served += int(sample.value)
     return served, failed
+
+
+#: vLLM's gauge of the KV pool in use, a fraction 0..1 (v1/metrics/loggers.py), one sample per engine.
+KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
+
+
+def kv_cache_usage() -> float | None:
+    """The share of the engine's KV pool in use now, from vLLM's own gauge in this process; None before it reports."""
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return None
+    values = [sample.value for metric in REGISTRY.collect() if metric.name == KV_USAGE_METRIC
+              for sample in metric.samples if sample.name == KV_USAGE_METRIC]
+    return max(values) if values else None
 
 
 def start(device: Device, plan: Plan, options: ServerOptions) -> VllmServer:

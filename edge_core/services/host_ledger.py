@@ -51,7 +51,9 @@ from typing import Any
 from ..errors import UsageError
 
 SCHEMA = "edge.ledger_record"
-SCHEMA_VERSION = 1
+#: 2: ``reserved_bytes`` is the held peak plus headroom (file pages left out), and the record carries
+#: ``held_peak_bytes``, ``kv_pool_bytes`` and ``kv_cache_usage``; a version-1 record still reads (those as 0 / null).
+SCHEMA_VERSION = 2
 #: A record is a few hundred bytes; anything much larger is not one of ours.
 MAX_RECORD_BYTES = 64 * 1024
 #: Records kept per directory listing; a flood of files is not read past this.
@@ -69,9 +71,15 @@ class SessionRecord:
     ``psutil.Process.create_time()`` reports it, rounded to 0.01 s): the front
     first, then every engine process it started. ``reserved_bytes`` maps a pool
     (``host_ram``, or the device id of a private pool) to the admitted bytes:
-    predicted peak plus headroom. ``measured_current_bytes`` /
-    ``measured_peak_bytes`` are the session's own host-RAM figures (tree PSS),
-    updated while it runs.
+    held peak plus headroom. ``predicted_peak_bytes`` is what its tree PSS may
+    read (file pages included), ``held_peak_bytes`` what it must hold.
+    ``measured_current_bytes`` / ``measured_peak_bytes`` are the session's
+    own host-RAM figures (tree PSS), updated while it runs, and
+    ``measured_held_bytes`` the tree PSS less its file pages (None where not
+    measured: a graph stage, a version-1 record). ``kv_pool_bytes``
+    is its KV pool as planned (every rank on its device), ``kv_cache_usage``
+    the share of it in use (0..1, the engine's ``vllm:kv_cache_usage_perc``)
+    where the session reports it (``edge serve``), else None.
     """
 
     session_id: str
@@ -92,6 +100,10 @@ class SessionRecord:
     measured_peak_bytes: int = 0
     updated_at: float = 0.0
     uid: int = field(default_factory=os.getuid)
+    held_peak_bytes: int = 0
+    kv_pool_bytes: int = 0
+    kv_cache_usage: float | None = None
+    measured_held_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,7 +114,9 @@ class SessionRecord:
             "predicted_peak_bytes": self.predicted_peak_bytes, "headroom_bytes": self.headroom_bytes,
             "started_at": self.started_at, "state": self.state,
             "measured_current_bytes": self.measured_current_bytes, "measured_peak_bytes": self.measured_peak_bytes,
-            "updated_at": self.updated_at, "uid": self.uid,
+            "updated_at": self.updated_at, "uid": self.uid, "held_peak_bytes": self.held_peak_bytes,
+            "kv_pool_bytes": self.kv_pool_bytes, "kv_cache_usage": self.kv_cache_usage,
+            "measured_held_bytes": self.measured_held_bytes,
         }
 
     @classmethod
@@ -148,6 +162,9 @@ class SessionRecord:
         devices = doc.get("device_ids")
         if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
             raise ValueError("device_ids: expected a list of strings")
+        usage = doc.get("kv_cache_usage")
+        if usage is not None and (not isinstance(usage, (int, float)) or isinstance(usage, bool) or not 0 <= usage <= 1):
+            raise ValueError(f"kv_cache_usage: expected a fraction from 0 to 1, or null; got {usage!r}")
         return cls(
             session_id=text("session_id"), pid=integer("pid", 1), processes=tuple(pairs), command=text("command"),
             interpreter=text("interpreter"), venv=text("venv", optional=True), model=text("model"),
@@ -156,13 +173,24 @@ class SessionRecord:
             started_at=number("started_at"), state=text("state"),
             measured_current_bytes=integer("measured_current_bytes"),
             measured_peak_bytes=integer("measured_peak_bytes"), updated_at=number("updated_at"), uid=integer("uid"),
+            # A version-1 record has neither.
+            held_peak_bytes=integer("held_peak_bytes") if "held_peak_bytes" in doc else 0,
+            kv_pool_bytes=integer("kv_pool_bytes") if "kv_pool_bytes" in doc else 0,
+            kv_cache_usage=float(usage) if usage is not None else None,
+            measured_held_bytes=integer("measured_held_bytes") if doc.get("measured_held_bytes") is not None else None,
         )
 
     def unseen_bytes(self, pool: str) -> int:
-        """What this session holds on ``pool`` that the pool's capacity figure does not show as used yet."""
+        """What this session holds on ``pool`` that the pool's capacity figure does not show as used yet.
+
+        On host RAM the reservation (held peak + headroom) less what the session
+        measurably holds so far: its tree PSS less file pages, which available
+        memory still counts as free (the whole PSS for a record without it).
+        """
         reserved = int(self.reserved_bytes.get(pool, 0))
         if pool == HOST_POOL:
-            return max(reserved - self.measured_current_bytes, 0)
+            taken = self.measured_held_bytes if self.measured_held_bytes is not None else self.measured_current_bytes
+            return max(reserved - taken, 0)
         return reserved  # a private pool's capacity is its total: nothing it holds is "visible"
 
     def describe(self) -> str:
@@ -346,17 +374,32 @@ WATCH_PERIOD_S = 1.0
 
 def tree_pss_bytes(root: int, pids: list[int]) -> int:
     """PSS of ``root`` and ``pids`` from ``/proc/<pid>/smaps_rollup`` (0 for a process that is gone)."""
-    total = 0
+    return tree_memory(root, pids)[0]
+
+
+def tree_memory(root: int, pids: list[int]) -> tuple[int, int]:
+    """(PSS, PSS less file pages) of ``root`` and ``pids`` from ``/proc/<pid>/smaps_rollup``.
+
+    The second is what the tree holds (``Pss`` less ``Pss_File``: anonymous
+    memory and shmem), the part of the PSS an admission counts; a kernel without
+    ``Pss_File`` gives the whole PSS for it.
+    """
+    total = held = 0
     for pid in (root, *pids):
         try:
             with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+                pss = file_pages = 0
                 for line in f:
                     if line.startswith(b"Pss:"):
-                        total += int(line.split()[1]) * 1024
+                        pss = int(line.split()[1]) * 1024
+                    elif line.startswith(b"Pss_File:"):
+                        file_pages = int(line.split()[1]) * 1024
                         break
         except (OSError, ValueError, IndexError):
             continue
-    return total
+        total += pss
+        held += max(pss - file_pages, 0)
+    return total, held
 
 
 class Registration:
@@ -388,9 +431,9 @@ class Registration:
                 children = [p.pid for p in me.children(recursive=True)]
             except psutil.Error:
                 continue
-            current = tree_pss_bytes(me.pid, children)
+            current, held = tree_memory(me.pid, children)
             self.add_processes(children)
-            self.update(measured_current_bytes=current,
+            self.update(measured_current_bytes=current, measured_held_bytes=held,
                         measured_peak_bytes=max(current, self.record.measured_peak_bytes))
 
     def update(self, **changes: Any) -> None:
@@ -429,7 +472,7 @@ class Admission:
 
     def register(self, *, command: str, model: str, artifact_id: str | None, device_ids: tuple[str, ...],
                  reserved_bytes: Mapping[str, int], predicted_peak_bytes: int, headroom_bytes: int,
-                 session: bool = True) -> Registration:
+                 session: bool = True, held_peak_bytes: int = 0, kv_pool_bytes: int = 0) -> Registration:
         """Write an admitted plan's record and return its registration.
 
         A ``session`` (an edge command: one per process) is this process's
@@ -448,7 +491,7 @@ class Admission:
             venv=sys.prefix if sys.prefix != sys.base_prefix else os.environ.get("VIRTUAL_ENV"),
             model=model, artifact_id=artifact_id, device_ids=device_ids, reserved_bytes=dict(reserved_bytes),
             predicted_peak_bytes=predicted_peak_bytes, headroom_bytes=headroom_bytes, started_at=time.time(),
-            updated_at=time.time())
+            updated_at=time.time(), held_peak_bytes=held_peak_bytes, kv_pool_bytes=kv_pool_bytes)
         _write_record(self.directory, record)
         registration = Registration(self.directory, record)
         if session:

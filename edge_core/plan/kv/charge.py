@@ -13,6 +13,7 @@ token, and is added to all three totals.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ...artifact.families import ssm_dtype_asked
@@ -146,6 +147,7 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
                                           enable_prefix_caching=enable_prefix_caching,
                                           kernel_block_tokens=kernel_block_tokens, config=config, rules=rules)
     figures = {rule: charge_bytes(layout, rule, max_model_len, s, rules) for rule in RULES}
+    sequence_bytes, block_bytes = pool_unit_bytes(layout, max_model_len, s, rules)
     recurrent = sum(l.state_bytes(s.cache_bytes, s.ssm_bytes) for l in layout.layers) * max_num_seqs
     per_token = sum(l.elements_per_token for l in layout.layers if l.attention) * s.kv_bytes
     blocks = max((rules.state_blocks(l.state_formula, s.mamba_cache_mode) for l in layout.layers
@@ -162,7 +164,21 @@ def estimate_kv(config: Mapping[str, Any], *, max_model_len: int, max_num_seqs: 
         recurrent_state_bytes=recurrent, evidence=layout.evidence, rules=notes,
         base_block_size=block_size, ssm_state_dtype_bytes=s.ssm_bytes, mamba_cache_mode=s.mamba_cache_mode,
         state_blocks_per_request=blocks, tp_size=tp_size, layer_range=layer_range,
-        concurrent_batches=concurrent_batches)
+        concurrent_batches=concurrent_batches, sequence_bytes=sequence_bytes, block_bytes=block_bytes)
+
+
+def pool_unit_bytes(layout: KVLayout, max_model_len: int, s: ChargeSettings,
+                    rules: EngineRules = VLLM_RULES) -> tuple[int, int]:
+    """(one full-length sequence, the pool's fixed part) in bytes, read off the engine's own ``vllm`` charge.
+
+    The engine's charge is affine in the number of sequences: every sequence
+    at ``max_model_len`` holds the same blocks, and the pool holds one block
+    back (vLLM's null block, ``BlockPool``: one block across every layer, the
+    pool's unit). So charging one and two sequences gives both.
+    """
+    one = rules.charge_bytes(layout, max_model_len, replace(s, max_num_seqs=1))
+    two = rules.charge_bytes(layout, max_model_len, replace(s, max_num_seqs=2))
+    return two - one, 2 * one - two
 
 
 def _rule_notes(s: ChargeSettings, engine: EngineRules, max_num_batched_tokens: int | None, block_size: int | None, *,

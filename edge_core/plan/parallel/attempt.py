@@ -10,6 +10,7 @@ from ...layout import DeviceShare, Layout
 from ...plans import Refusal
 from ..committed import pool_key
 from ..decode import DeviceOutcome, plan_on_device
+from ..pool import with_context
 from .gates import layout_refusals, model_config, num_layers, pp_partition
 from .groups import group_key, host_of, rank_capacity
 from .layout import RankBudget
@@ -92,7 +93,12 @@ def try_layout(layout: Layout, group: dict[str, list[Device]], manifest: Manifes
             attempt.ranks.append(RankBudget(
                 rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, device_id=device_id, host=host_of(device),
                 layers=stages[pp_rank], weight_bytes=per_stage[pp_rank],
-                kv_cache_bytes=outcome.kv.bytes_vllm if outcome.kv is not None else 0))
+                kv_cache_bytes=outcome.kv.pool_bytes if outcome.kv is not None else 0))
+    fitted = {o.session.max_model_len for _, _, o in attempt.outcomes if o.session is not None}
+    if session.max_model_len_auto and not attempt.refusals and len(fitted) > 1:
+        # --max-model-len auto fitted each device on its own: every rank runs the shortest of them.
+        return try_layout(layout, group, manifest, with_context(session, min(int(n or 0) for n in fitted)),
+                          host_facts, registry, devices, ledger, node)
     if layout.hosts > 1 and node is None:  # joined nodes compare their builds when they meet (runtime.nodes)
         attempt.refusals.extend(host_refusals(group, hosts))
     attempt.ranks.sort(key=lambda r: r.rank)

@@ -35,9 +35,8 @@ def admitted_plan(manifest: Manifest, single: Plan, attempt: Attempt, request: P
     layout = attempt.layout
     device, _, outcome = attempt.outcomes[0]
     assert outcome.kv is not None and outcome.peak is not None
-    session = with_mode(single.session, outcome.execution)
-    kv_bytes = max(o.kv.bytes_vllm for _, _, o in attempt.outcomes if o.kv is not None)
-    kv = replace(outcome.kv, bytes_vllm=kv_bytes)
+    session = with_mode(outcome.session or single.session, outcome.execution)
+    kv = rank_pool(outcome.kv, [o.kv for _, _, o in attempt.outcomes if o.kv is not None], rules)
     kwargs = _engine_kwargs(manifest, session, attempt, request, kv)
     env, unpinned = rules.launch_env(device, layout, session, facts.get(host_of(device)),
                                      [d for d, _, _ in attempt.outcomes])
@@ -47,6 +46,24 @@ def admitted_plan(manifest: Manifest, single: Plan, attempt: Attempt, request: P
                    verdicts=_verdicts(single, attempt),
                    notes=_notes(manifest, single, attempt, request, unpinned, rules),
                    parallel=parallel, session=session, execution=outcome.execution)
+
+
+def rank_pool(first: KVEstimate, every: list[KVEstimate], rules: EngineRules) -> KVEstimate:
+    """The one ``kv_cache_memory_bytes`` every rank is handed (vLLM's is per rank), as rank 0's estimate.
+
+    Every rank gets the same figure and vLLM gives each the smallest rank's
+    block count: the largest of the ranks' pools where each asked for its own
+    (the most layers' blocks), the smallest where a pool was cut to fit its
+    device (the tightest device's).
+    """
+    pools = [kv.pool for kv in every if kv.pool is not None]
+    charge = max(kv.bytes_vllm for kv in every)
+    if not pools or first.pool is None:
+        return replace(first, bytes_vllm=charge)
+    cut = any(p.source in ("fit", "one_sequence") for p in pools)
+    size = (min if cut else max)(p.bytes for p in pools)
+    source = next((p.source for p in pools if p.bytes == size), first.pool.source)
+    return replace(first, bytes_vllm=charge).with_pool(size, source, rules)
 
 
 def _engine_kwargs(manifest: Manifest, session: SessionSpec, attempt: Attempt, request: ParallelRequest,

