@@ -53,6 +53,20 @@ class StageError(EdgeError):
     """A running stage failed; the message names the backend and device."""
 
 
+class EngineDied(StageError):
+    """An engine process died (the OOM killer, a signal, an exit code); the message names it and what to do.
+
+    ``account`` is the record behind the message (``edge_core.runtime.deaths.EngineDeaths.to_dict()``);
+    ``traceback_helps`` is False when the death itself is the cause (a signal, the OOM killer), so the
+    CLI does not offer the Python traceback of vLLM noticing it.
+    """
+
+    def __init__(self, message: str, account: dict[str, object] | None = None, *, traceback_helps: bool = True):
+        super().__init__(message)
+        self.account = dict(account or {})
+        self.traceback_helps = traceback_helps
+
+
 class NodeError(EdgeError):
     """The nodes of one multi-node session could not agree or stay joined; ``code`` names what happened.
 

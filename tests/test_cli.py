@@ -165,3 +165,24 @@ print("console_main returned", file=sys.stderr)
     assert marker.read_text() == "done"
     assert "atexit ran" in done.stderr
     assert "module teardown ran" not in done.stderr and "console_main returned" not in done.stderr
+
+
+def test_a_probe_past_its_time_limit_does_not_see_the_interpreter_torn_down():
+    # A plugin's probe that never answers is left running (a daemon thread, maybe inside a native import):
+    # the executable then ends by exit_now, as after a runtime, so no module is freed under it.
+    code = """
+import sys, threading
+class Noisy:
+    def __del__(self):
+        print("module teardown ran", file=sys.stderr)
+kept = Noisy()
+threading.Thread(target=threading.Event().wait, name="edge-probe-hangs", daemon=True).start()
+from edge_core.cli import abandoned_probes, console_main
+assert abandoned_probes() == ["edge-probe-hangs"]
+sys.argv = ["edge", "plugins", "--json"]
+console_main()
+print("console_main returned", file=sys.stderr)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "module teardown ran" not in done.stderr and "console_main returned" not in done.stderr

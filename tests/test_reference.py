@@ -82,5 +82,5 @@ def test_a_process_the_reference_left_is_ended_before_it_returns(tmp_path, envir
 
 def test_a_failed_reference_names_the_cause_from_its_log(tmp_path, environ):
     log = EngineLog(str(tmp_path / "engine.log"))
-    with pytest.raises(StageError, match="exit 1 .*head_dim=16"):
+    with pytest.raises(StageError, match="exited with code 1.*head_dim=16"):
         run_plain({"model": "m", "fail": True}, ["x"], 1, environ, log)

@@ -215,6 +215,22 @@ def test_owner_hook_failure_names_plugin_and_device(host):
         registry.call_owner(devices[0], "weight_formats")
 
 
+
+def test_an_engine_death_passes_through_the_owner_call_as_it_is(host):
+    # The backend did not fail: the engine it started died, and the error already names the process and why.
+    from edge_core.errors import EngineDied
+
+    died = EngineDied("vLLM could not start on npu:x: pid 7 (VLLM::Worker) was killed by SIGILL", {})
+
+    def dies(device):
+        raise died
+
+    module = plugin_module("x", probe_devices=lambda host: [device("npu:x")], weight_formats=dies)
+    registry, devices = probe([ep("x", module)], host)
+    with pytest.raises(EngineDied) as caught:
+        registry.call_owner(devices[0], "weight_formats")
+    assert caught.value is died
+
 def test_tracing_prints_hook_calls(host, capsys):
     probe([ep("toy", healthy())], host, trace=True)
     err = capsys.readouterr().err

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import NodeError, StageError
 from ..services.host_ledger import set_state
+from .deaths import EngineDeaths, account, child_exits, failure, sampled_watch
 from .env import versions
 from .logs import EngineLog
 from .processes import OwnProcessGroup, children, children_alive, reap
@@ -67,22 +68,23 @@ def run_headless(plan: Plan, registry: Registry, lifeline: Lifeline | None, *, o
     reaper = SessionReaper().__enter__()
     before = set(children())  # the reaper is not the engine's: it outlives the stop to check on it
     try:
-        with TerminationAsInterrupt():
+        with TerminationAsInterrupt(), sampled_watch(plan):  # the watch names a worker that dies
             try:
                 executor = start_ranks(plan, log, said)
                 ready_s = time.monotonic() - started
                 set_state("running")
                 said.message(f"node {node['node_rank']}: ranks {', '.join(map(str, node['ranks']))} joined the head; "
                              "running until the head stops (Ctrl-C stops this node, and with it the session)")
-                workers_ended = _wait_for_workers(executor, lifeline)
+                workers_ended = _wait_for_workers(executor, lifeline, log)
             except KeyboardInterrupt as exc:
                 stopped_by = "the head" if lifeline is not None and lifeline.ended and lifeline.lost is None \
                     else ("SIGINT" if "SIGTERM" not in str(exc) else "SIGTERM")
             except Exception as exc:
                 if lifeline is not None and lifeline.lost is not None:
                     raise lifeline.lost from None
-                raise StageError(f"node {node['node_rank']}'s ranks could not start on {device.device_id}: "
-                                 f"{type(exc).__name__}: {exc}" + engine_failure_detail(log)) from exc
+                new = tuple(pid for pid in children() if pid not in before)
+                raise failure(f"node {node['node_rank']}'s ranks could not start on {device.device_id}", exc,
+                              account(child_exits(new), log), engine_failure_detail(log), log.path) from exc
             finally:
                 if executor is not None:
                     end_workers(executor)
@@ -94,8 +96,10 @@ def run_headless(plan: Plan, registry: Registry, lifeline: Lifeline | None, *, o
     if lifeline is not None and lifeline.lost is not None:
         raise lifeline.lost
     if workers_ended is not None and stopped_by is None:
-        raise NodeError("node_workers_ended", f"node {node['node_rank']}'s workers ended ({workers_ended}) and the "
-                        "head said nothing; see the engine log" + engine_failure_detail(log))
+        ended = workers_ended.describe() if workers_ended else "a worker ended"
+        raise NodeError("node_workers_ended", f"node {node['node_rank']}'s workers ended ({ended}) and the "
+                        "head said nothing" + (f"; the engine log is {log.path}" if workers_ended.violent and log.path
+                                               else engine_failure_detail(log)))
     return {
         "outcome": "stopped",
         "stopped_by": stopped_by or "the head",
@@ -135,20 +139,22 @@ def start_ranks(plan: Plan, log: EngineLog, said: Observer) -> Any:
                 os.close(log_fd)
 
 
-def _wait_for_workers(executor: Any, lifeline: Lifeline | None) -> str:
-    """Block until a worker ends (then give the head :data:`WORKERS_GONE_GRACE_S` to say stop); say which.
+def _wait_for_workers(executor: Any, lifeline: Lifeline | None, log: EngineLog) -> EngineDeaths:
+    """Block until a worker ends (then give the head :data:`WORKERS_GONE_GRACE_S` to say stop); the account of
+    its death, taken at once (the others are ended after the grace, by edge).
 
     The head's ``stop`` or its loss arrives as SIGTERM (KeyboardInterrupt here) from the lifeline.
     """
     import multiprocessing.connection
 
     procs = [w.proc for w in executor.workers]
-    done = multiprocessing.connection.wait([p.sentinel for p in procs])
-    gone = next(p for p in procs if p.sentinel == done[0])
+    multiprocessing.connection.wait([p.sentinel for p in procs])
+    time.sleep(0.2)  # the sentinel closes a moment before the exit status is there
+    deaths = account({p.pid: p.exitcode for p in procs if p.exitcode is not None}, log)
     deadline = time.monotonic() + (WORKERS_GONE_GRACE_S if lifeline is not None else 0)
     while time.monotonic() < deadline:
         time.sleep(0.2)
-    return f"{gone.name}, exit code {gone.exitcode}"
+    return deaths
 
 
 def end_workers(executor: Any, grace_s: float = WORKER_EXIT_S) -> None:

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ..errors import UsageError
-from .processes import describe_exit_code
 
 #: The session's engine log: a file path, or ``-`` for the terminal.
 ENGINE_LOG_ENV = "EDGE_ENGINE_LOG"
@@ -52,8 +51,6 @@ CAUSE_PATTERN = re.compile(
     r"Illegal instruction|Segmentation fault|out of memory|OOM|refus)", re.ASCII)
 #: How many cause lines a failure message shows.
 CAUSE_LINES = 8
-#: vLLM's executor reporting a worker's death (docs/vllm-cpu-facts.md, 'A worker's death in the engine log').
-WORKER_DEATH = re.compile(r"Worker proc (?P<name>\S+) died unexpectedly \(exit code: (?P<code>-?\d+)\)")
 
 
 def default_log_dir() -> str:
@@ -152,20 +149,6 @@ class EngineLog:
             return []
         hits = [line.strip() for line in lines if CAUSE_PATTERN.search(line)]
         return hits[-limit:]
-
-    def deaths(self) -> list[str]:
-        """Engine processes the log reports dead, with the signal and what it usually means."""
-        if self.path is None or not os.path.isfile(self.path):
-            return []
-        try:
-            with open(self.path, encoding="utf-8", errors="replace") as handle:
-                text = handle.read()[-1_000_000:]
-        except OSError:
-            return []
-        out = []
-        for match in WORKER_DEATH.finditer(text):
-            out.append(f"{match['name']} {describe_exit_code(int(match['code']))}")
-        return out
 
     @contextlib.contextmanager
     def capture_prints(self) -> Iterator[None]:

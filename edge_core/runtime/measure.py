@@ -17,6 +17,11 @@ period, in separate accountings that are never summed:
 
 A sampled peak is a lower bound: a spike between two samples is missed. The
 "attributable peak" is the peak minus a baseline taken before loading.
+
+The sampler also remembers every process it has seen (:class:`SeenProcess`:
+its title, e.g. vLLM's ``VLLM::Worker``, and the last reading while it
+lived), so a process that dies can still be named with what was measured last
+(:mod:`.deaths`).
 """
 
 from __future__ import annotations
@@ -64,6 +69,17 @@ def read_pss_bytes(pid: int, proc_root: str | os.PathLike[str] = "/proc") -> int
     return parse_meminfo(text).get("Pss")
 
 
+def read_title(pid: int, proc_root: str | os.PathLike[str] = "/proc") -> str | None:
+    """The process's title: the first word of ``/proc/<pid>/cmdline`` (vLLM's setproctitle writes
+    ``VLLM::EngineCore`` there), None when it cannot be read."""
+    try:
+        raw = (Path(proc_root) / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
+    title = raw.split(b"\0", 1)[0].decode(errors="replace").strip()
+    return title or None
+
+
 def read_available_bytes(proc_root: str | os.PathLike[str] = "/proc") -> int | None:
     """Return ``MemAvailable`` in bytes; psutil's figure where ``meminfo`` cannot be read."""
     try:
@@ -103,6 +119,27 @@ class Sample:
             "host_available_bytes": self.host_available_bytes,
             "device_bytes": self.device_bytes,
         }
+
+
+@dataclass(frozen=True)
+class SeenProcess:
+    """A process of the tree as the sampler last saw it alive: its title and the last reading with it in."""
+
+    pid: int
+    title: str | None
+    first_seen_s: float
+    last_seen_s: float
+    #: Its own PSS (RSS where PSS could not be read) and RSS at ``last_seen_s``, in bytes.
+    pss_bytes: int
+    rss_bytes: int
+    #: The whole tree's PSS and RSS in the same sample, in bytes.
+    tree_pss_bytes: int
+    tree_rss_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "title": self.title, "first_seen_s": self.first_seen_s,
+                "last_seen_s": self.last_seen_s, "pss_bytes": self.pss_bytes, "rss_bytes": self.rss_bytes,
+                "tree_pss_bytes": self.tree_pss_bytes, "tree_rss_bytes": self.tree_rss_bytes}
 
 
 @dataclass(frozen=True)
@@ -216,8 +253,10 @@ class ProcessTreeSampler:
         report = sampler.report()
 
     ``device_counter`` returns bytes (or None when it cannot tell). ``proc_root``
-    replaces ``/proc`` for reading ``smaps_rollup`` and ``meminfo`` (tests use a
-    fake tree); the process tree itself is walked with psutil.
+    replaces ``/proc`` for reading ``smaps_rollup``, ``cmdline`` and ``meminfo``
+    (tests use a fake tree); the process tree itself is walked with psutil.
+    ``on_new_process`` is called (from the sampling thread) with each pid the
+    first time a sample finds it.
     """
 
     def __init__(
@@ -228,6 +267,7 @@ class ProcessTreeSampler:
         *,
         device_source: str = "backend",
         proc_root: str | os.PathLike[str] = "/proc",
+        on_new_process: Callable[[int], None] | None = None,
     ):
         if period_s <= 0:
             raise ValueError(f"period_s must be > 0, got {period_s}")
@@ -236,6 +276,7 @@ class ProcessTreeSampler:
         self.device_counter = device_counter
         self.device_source = device_source
         self.proc_root = Path(proc_root)
+        self.on_new_process = on_new_process
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -248,6 +289,8 @@ class ProcessTreeSampler:
         self._errors = 0
         self._first_s: float | None = None
         self._last_s: float | None = None
+        self._seen: dict[int, SeenProcess] = {}
+        self._titles: dict[int, str | None] = {}
 
     # -- one sample ------------------------------------------------------------
 
@@ -262,6 +305,7 @@ class ProcessTreeSampler:
         """Read every counter now and fold the reading into the peaks."""
         rss_total = pss_total = fallback = count = 0
         per_process: list[tuple[int, int]] = []
+        rss_of: dict[int, int] = {}
         for proc in self._tree():
             try:
                 rss = int(proc.memory_info().rss)
@@ -277,6 +321,7 @@ class ProcessTreeSampler:
             rss_total += rss
             pss_total += pss
             per_process.append((proc.pid, pss))
+            rss_of[proc.pid] = rss
         device = None
         if self.device_counter is not None:
             try:
@@ -295,7 +340,32 @@ class ProcessTreeSampler:
             process_pss_bytes=tuple(per_process),
         )
         self._record(sample)
+        self._remember(sample, rss_of)
         return sample
+
+    def _remember(self, sample: Sample, rss_of: dict[int, int]) -> None:
+        """Update each process's :class:`SeenProcess`; its title is re-read until it has one with ``::``
+        (vLLM titles its processes a moment after they start)."""
+        new = []
+        for pid, pss in sample.process_pss_bytes:
+            title = self._titles.get(pid)
+            if title is None or "::" not in title:
+                title = self._titles[pid] = read_title(pid, self.proc_root) or title
+            with self._cond:
+                before = self._seen.get(pid)
+                self._seen[pid] = SeenProcess(
+                    pid=pid, title=title, first_seen_s=before.first_seen_s if before else sample.monotonic_s,
+                    last_seen_s=sample.monotonic_s, pss_bytes=pss, rss_bytes=rss_of.get(pid, 0),
+                    tree_pss_bytes=sample.tree_pss_bytes, tree_rss_bytes=sample.tree_rss_bytes)
+            if before is None:
+                new.append(pid)
+        if self.on_new_process is not None:
+            for pid in new:
+                try:
+                    self.on_new_process(pid)
+                except Exception:  # noqa: BLE001 — a listener's failure must not stop the sampling
+                    with self._cond:
+                        self._errors += 1
 
     def _record(self, sample: Sample) -> None:
         with self._cond:
@@ -370,6 +440,11 @@ class ProcessTreeSampler:
     def last_sample(self) -> Sample | None:
         with self._cond:
             return self._last
+
+    def seen(self) -> dict[int, SeenProcess]:
+        """Every process a sample has found, by pid, as last seen alive (the root included)."""
+        with self._cond:
+            return dict(self._seen)
 
     def wait_for_samples(self, count: int, timeout: float | None = None) -> bool:
         """Block until at least ``count`` samples were taken; False if ``timeout`` passed first."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StageError, UsageError
 from ..stream import StageRequest
 from .accept import PROMPTS
+from .deaths import sampled_watch
 from .logs import EngineLog
 from .reaper import SessionReaper
 from .session import Observer, SilentObserver, StageSession, prepare_stage
@@ -116,7 +117,7 @@ def _reference_run(registry: Registry, plan: Plan, reference: Plan, max_tokens: 
     assert ref_device is not None
     environ = dict(os.environ)
     with said.step(f"the runtime alone ({layout_label(reference)}): {len(PROMPTS)} prompts x {max_tokens} "
-                   "greedy tokens"), SessionReaper():
+                   "greedy tokens"), SessionReaper(), sampled_watch(reference):  # the watch names a death
         try:
             plain_ids, plain_info = registry.call_owner(ref_device, "reference_token_ids", plan=reference,
                                                         prompts=list(PROMPTS), max_tokens=max_tokens)

@@ -26,9 +26,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import StageError
+from .deaths import account, failure
 from .logs import EngineLog
-from .processes import KILL_GRACE_S, describe_exit_code
+from .processes import KILL_GRACE_S
 from .reaper import MARKER, end_marked, marked_processes
 
 
@@ -61,8 +61,11 @@ def run_plain(engine_kwargs: Mapping[str, Any], prompts: list[str], max_tokens: 
             terminated, killed = _end_what_it_left(environ)
         answer = json.loads(result.read_text(encoding="utf-8")) if code == 0 and result.is_file() else None
     if answer is None:
+        # Named as every engine death is (an OOM kill included): the child's own status, the cgroup, the kernel.
         detail = "; ".join(engine_log.causes()) or f"the engine log ({engine_log.path or 'the terminal'}) says why"
-        raise StageError(f"plain vLLM's reference run {describe_exit_code(code)} before it gave its tokens: {detail}")
+        deaths = account({proc.pid: code} if code else {}, engine_log)
+        raise failure("plain vLLM's reference run ended before it gave its tokens", None, deaths, f": {detail}",
+                      engine_log.path)
     leftover = [pid for pid, _ in marked_processes(environ[MARKER])] if MARKER in environ else []
     return answer["token_ids"], {"engine_start_s": answer["engine_start_s"], "pids": [proc.pid],
                                  "leftover_pids": leftover, "terminated_pids": terminated, "killed_pids": killed}

@@ -45,7 +45,7 @@ from ..services.host_ledger import current, set_state
 from .documents import enveloped
 from .env import versions
 from .logs import EngineLog
-from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler
+from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler, read_title
 from .processes import children_alive
 from .session import Observer, SilentObserver, StageSession, plan_summary
 
@@ -204,7 +204,7 @@ def rank_memory(plan: Plan, processes: Iterable[tuple[int, int]],
                 title_of: Callable[[int], str | None] | None = None) -> list[dict[str, Any]]:
     """Each of this host's ranks of a parallel plan with its worker's PSS; [] for a one-device plan.
 
-    A worker is told by its process title (``title_of``: default ``/proc/<pid>/cmdline``), matched to
+    A worker is told by its process title (``title_of``: default :func:`~.measure.read_title`), matched to
     the plan's rank with the same TP and PP rank.
     """
     ranks = (plan.parallel or {}).get("ranks") or ()
@@ -213,7 +213,7 @@ def rank_memory(plan: Plan, processes: Iterable[tuple[int, int]],
     by_group = {(int(r.get("tp_rank", 0)), int(r.get("pp_rank", 0))): r for r in ranks}
     found = []
     for pid, pss in processes:
-        title = (title_of or process_title)(pid)
+        title = (title_of or read_title)(pid)
         match = WORKER_TITLE.search(title or "")
         if match is None:
             continue
@@ -222,14 +222,6 @@ def rank_memory(plan: Plan, processes: Iterable[tuple[int, int]],
             found.append({"rank": rank.get("rank"), "tp_rank": rank.get("tp_rank"), "pp_rank": rank.get("pp_rank"),
                           "pid": pid, "pss_bytes": pss})
     return sorted(found, key=lambda r: (r["rank"] is None, r["rank"]))
-
-
-def process_title(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().split(b"\0", 1)[0].decode(errors="replace")
-    except OSError:
-        return None
 
 
 def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_model_name: str,

@@ -17,7 +17,10 @@ fails) unwinds the same steps in reverse:
    within seconds;
 3. the memory baseline over the whole process tree, then the 0.25 s sampler
    (:class:`~edge_core.runtime.measure.ProcessTreeSampler`), with the backend's
-   device counter when it has one (``memory_counter``);
+   device counter when it has one (``memory_counter``), and the death watch
+   (:class:`~edge_core.runtime.deaths.DeathWatch`: the memory cgroup's OOM
+   count and the kernel log's position now, each engine process's exit
+   status as it ends), so an engine that dies is named;
 4. ``start_stage`` with SIGTERM and SIGHUP routed through the Ctrl-C path, so
    every way of stopping edge that edge can see cancels, stops and reports;
    then the host ledger's record says ``running``;
@@ -46,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import EdgeError, StageError
 from ..services.host_ledger import set_state
+from .deaths import DeathWatch
 from .env import versions
 from .logs import EngineLog
 from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler, compare
@@ -382,6 +386,7 @@ class StageSession:
         self.sampler.baseline()  # before the runtime is imported: everything above it is the session's
         self.sampler.start()
         undo.callback(self._stop_sampler)
+        undo.enter_context(DeathWatch(self.plan, self.sampler))
 
     def _start(self) -> None:
         """``start_stage``, timed; then the host ledger's record (``edge ps``) says the stage is up."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..errors import StageError
+from ..errors import EngineDied, StageError
 from ..stream import CancelReport, DeltaEvent
 from .stream_queue import DEFAULT_MAX_BYTES, DEFAULT_MAX_EVENTS, BoundedStream, SeqGap, SequenceChecker
 
@@ -104,7 +104,9 @@ class StreamRun:
                         "ended without a final event; the backend must set finish_reason on its last event"
                     )
         except Exception as exc:  # noqa: BLE001 — every backend failure must reach the consumer
-            if not self._cancelling.is_set():
+            if isinstance(exc, EngineDied):  # already names the engine, the request and the death
+                error = exc
+            elif not self._cancelling.is_set():
                 error = self._stage_error(f"failed in the backend stream: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
         # Release the consumer before unwinding the backend's iterator: closing a

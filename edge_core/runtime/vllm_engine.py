@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StageError
 from ..stream import DeltaEvent, StageRequest, StateHandle
+from .deaths import account, child_exits, failure
 from .logs import EngineLog
-from .processes import death_of, oom_kills, reap
+from .processes import reap
 
 if TYPE_CHECKING:
     from ..devices import Device
@@ -289,7 +290,7 @@ class VllmStage:
             hand_over("error", StageError(f"the stage on {self.device_id} was stopped under the request"))
             raise
         except Exception as exc:  # noqa: BLE001 — every engine failure reaches the consumer
-            hand_over("error", self._explain(exc))
+            hand_over("error", self._explain(exc, request.request_id))
         finally:
             if generator is not None:
                 try:
@@ -321,20 +322,15 @@ class VllmStage:
         (engine_input,) = await renderer.render_cmpl_async([parsed], renderer.default_cmpl_tok_params)
         return engine_input
 
-    def _explain(self, exc: Exception) -> Exception:
-        """An engine that died under a request: say which process, of what signal, and what its log said."""
+    def _explain(self, exc: Exception, request_id: str) -> Exception:
+        """An engine that died under a request: which process, of what, and what to do (:mod:`.deaths`)."""
         if type(exc).__name__ != "EngineDeadError":
             return exc
         time.sleep(0.2)  # the engine core's exit status lands a moment after the front notices
         engine_log = EngineLog.from_environ()
-        deaths = engine_log.deaths() + [f"pid {pid} {how}" for pid in self.stage_pids if (how := death_of(pid))]
-        oom = oom_kills()
-        return StageError(
-            f"the vLLM engine on {self.device_id} died during the request ({type(exc).__name__})"
-            + (f": {', '.join(deaths)}" if deaths else ": the engine core or its worker is gone")
-            + (f"; the cgroup has recorded {oom} OOM kill(s)" if oom else "")
-            + engine_failure_detail(engine_log)
-        )
+        deaths = account(child_exits(self.stage_pids), engine_log)
+        return failure(f"the vLLM engine on {self.device_id} died during request {request_id} ({type(exc).__name__})",
+                       None, deaths, engine_failure_detail(engine_log), engine_log.path)
 
     def _forget(self, state: _Request) -> None:
         with self._lock:

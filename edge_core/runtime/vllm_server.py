@@ -34,6 +34,7 @@ from ..errors import StageError
 from ..server import ServerOptions, ServerReport
 from ..services.host_ledger import current
 from . import reaper
+from .deaths import account, child_exits, failure
 from .logs import EngineLog
 from .processes import OwnProcessGroup, children, reap
 from .session import TerminationAsInterrupt
@@ -92,8 +93,10 @@ class VllmServer:
         except StageError:
             raise
         except Exception as exc:
-            raise StageError(f"vLLM's server could not run on {self.device.device_id}: {type(exc).__name__}: "
-                             f"{exc}" + engine_failure_detail(engine_log)) from exc
+            new = tuple(pid for pid in children() if pid not in before)
+            raise failure(f"vLLM's server could not run on {self.device.device_id}", exc,
+                          account(child_exits(new), engine_log), engine_failure_detail(engine_log),
+                          engine_log.path) from exc
         finally:
             new = tuple(pid for pid in children() if pid not in before)
             self.stage_pids = tuple(sorted(set(self.stage_pids) | set(new)))
@@ -149,6 +152,11 @@ class VllmServer:
                                         log_level="warning", access_log=False,
                                         timeout_graceful_shutdown=options.drain_timeout_s + CLOSE_GRACE_S)
             await finished  # serve_http hands back its shutdown coroutine
+            if not self._stopping and getattr(engine, "errored", False):
+                # vLLM's watchdog stopped the server because its engine died: name the death, exit non-zero.
+                raise failure(f"vLLM's server on {self.device.device_id} stopped: its engine died while serving",
+                              None, account(child_exits(self.stage_pids), engine_log),
+                              engine_failure_detail(engine_log), engine_log.path)
         finally:
             await client.__aexit__(None, None, None)
             # Drop the app's hold on the engine now, while vLLM's modules are alive: left to interpreter

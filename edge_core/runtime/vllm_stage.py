@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any
 from ..engines.vllm_launch import visible_devices
 from ..errors import StageError
 from ..stream import DeltaEvent, StageRequest
+from .deaths import EngineDeaths, account, child_exits, failure
 from .env import RuntimeEnv, apply_runtime_env, versions
 from .logs import EngineLog
 from .numa import TARGET_SLACK_BYTES, NodePrep, prepare_node
-from .processes import OwnProcessGroup, children, death_of, reap
+from .processes import OwnProcessGroup, children, reap
 from .vllm_engine import (
     ABORT_WAIT_S,
     SHUTDOWN_TIMEOUT_S,
@@ -218,13 +219,11 @@ def start(device: Device, plan: Plan) -> VllmStage:
             if log_fd is not None:
                 os.close(log_fd)
     except BaseException as exc:
-        deaths = _reap_failed_start(loop, thread, before)
+        deaths = _reap_failed_start(loop, thread, before, engine_log)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise StageError(
-            f"vLLM could not start on {device.device_id}: {type(exc).__name__}: {exc}"
-            + (f"; engine processes: {', '.join(deaths)}" if deaths else "") + engine_failure_detail(engine_log)
-        ) from exc
+        raise failure(f"vLLM could not start on {device.device_id}", exc, deaths, engine_failure_detail(engine_log),
+                      engine_log.path) from exc
     engine_start_s = time.perf_counter() - t1
     stage_pids = tuple(sorted(pid for pid in children() if pid not in before))
     stage = VllmStage(
@@ -265,11 +264,12 @@ def _import_vllm(device: Device, engine_log: EngineLog) -> tuple[Any, Any, Any, 
     return vllm, AsyncEngineArgs, SamplingParams, AsyncLLM
 
 
-def _reap_failed_start(loop: asyncio.AbstractEventLoop, thread: threading.Thread, before: set[int]) -> list[str]:
-    """Stop the loop and reap the processes a failed start left; how each that died ended."""
+def _reap_failed_start(loop: asyncio.AbstractEventLoop, thread: threading.Thread, before: set[int],
+                       engine_log: EngineLog) -> EngineDeaths:
+    """Stop the loop and reap the processes a failed start left; the account of those that died first."""
     stop_loop(loop, thread)
     new = tuple(pid for pid in children() if pid not in before)
-    deaths = [f"pid {pid} {how}" for pid in new if (how := death_of(pid))]
+    deaths = account(child_exits(new), engine_log)  # before the reaping: its terminations are edge's, not deaths
     reap(new)
     return deaths
 

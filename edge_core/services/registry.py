@@ -48,6 +48,8 @@ PROBE_TIMEOUT_ENV = "EDGE_PROBE_TIMEOUT_S"
 #: out and the others still answer. Real probes take milliseconds (the slowest
 #: step seen, NVML init, ~50 ms); 5 s only catches hangs.
 PROBE_TIMEOUT_S = 5.0
+#: The name of each probe's thread begins so (its plugin's name follows).
+PROBE_THREAD_PREFIX = "edge-probe-"
 
 #: Priority of a plugin that declares none.
 DEFAULT_PRIORITY = 100
@@ -304,7 +306,7 @@ class Registry:
             caller = self._caller_for(record, "probe_devices")
             thread = threading.Thread(
                 target=_call_into, args=(caller, {"host": host}, box),
-                name=f"edge-probe-{record.name}", daemon=True,
+                name=f"{PROBE_THREAD_PREFIX}{record.name}", daemon=True,
             )
             box["started"] = time.perf_counter()
             thread.start()
@@ -390,9 +392,10 @@ class Registry:
         """Call ``hook`` on the plugin that owns ``device`` only; None if it has no such hook.
 
         Exceptions from the plugin propagate wrapped in :class:`PluginError`
-        naming the plugin and hook.
+        naming the plugin and hook, except :class:`EngineDied`: the engine the
+        backend started died, and the error already names the process and why.
         """
-        from ..errors import PluginError
+        from ..errors import EngineDied, PluginError
 
         if hook not in hookspecs.OWNER_HOOKS:
             raise ValueError(f"{hook!r} is not an owner-dispatched hook")
@@ -402,6 +405,8 @@ class Registry:
         caller = self._caller_for(record, hook)
         try:
             return caller(device=device, **kwargs) if "device" in _argnames(caller) else caller(**kwargs)
+        except EngineDied:
+            raise
         except Exception as exc:
             raise PluginError(
                 f"plugin {record.name!r} failed in {hook} for device {device.device_id!r}: "
