@@ -104,7 +104,7 @@ class NodeAddress:
     @property
     def loopback(self) -> bool:
         """True when the ranks talk over loopback: every node must then be on this one host."""
-        return bool(self.address) and (self.address.startswith("127.") or self.address == "::1")
+        return self.address is not None and (self.address.startswith("127.") or self.address == "::1")
 
     def describe(self) -> str:
         """``eth0 10.0.0.2`` (the interface and the address), or the problem."""

@@ -380,11 +380,12 @@ def _gather(mine: dict[str, Any], address: tuple[str, int], nnodes: int, master_
     try:
         busy = master_port_holder(master_port)
         if busy is not None:
-            error = NodeError("master_port_in_use", f"port {master_port} (vLLM's --master-port, where the ranks of "
-                              f"every node meet) is already in use on this host{busy}; nothing was started: stop "
-                              "that process, or start every node with another --master-port", EXIT_REFUSED)
-            _tell_rest(listener, {}, error, nnodes, say)
-            raise error
+            in_use = NodeError("master_port_in_use", f"port {master_port} (vLLM's --master-port, where the ranks of "
+                              f"every node meet) is already in use on the head's host ({socket.gethostname()}, "
+                              f"{address[0]}){busy}; nothing was started: stop that process, or start every node "
+                              "with another --master-port", EXIT_REFUSED)
+            _tell_rest(listener, {}, in_use, nnodes, say)
+            raise in_use
         if say is not None:
             say(f"node 0 of {nnodes}: waiting for {nnodes - 1} other node{'s' if nnodes > 2 else ''} at "
                 f"{address[0]}:{address[1]} (up to {JOIN_TIMEOUT_S:.0f} s){_uses(mine, 'its')}")
@@ -401,9 +402,10 @@ def _gather(mine: dict[str, Any], address: tuple[str, int], nnodes: int, master_
                 _tell_rest(listener, {**peers, rank if isinstance(rank, int) and rank not in peers else -1: sock},
                            error, nnodes, say)
                 raise error
-            peers[int(rank)] = sock  # type: ignore[arg-type]  # checked by _mismatch
-            joined_from[int(rank)] = {"host": theirs.get("host"), "where": where, "pid": theirs.get("pid"),  # type: ignore[arg-type]
-                                      "address": theirs.get("address"), "probe_port": theirs.get("probe_port")}
+            assert isinstance(rank, int)  # in range and free: checked by _mismatch
+            peers[rank] = sock
+            joined_from[rank] = {"host": theirs.get("host"), "where": where, "pid": theirs.get("pid"),
+                                 "address": theirs.get("address"), "probe_port": theirs.get("probe_port")}
             if say is not None:
                 say(f"node {rank} joined from {theirs.get('host')} ({where}): layout, model and build agree"
                     f"{_uses(theirs, 'its')}")

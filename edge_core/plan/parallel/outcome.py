@@ -95,11 +95,12 @@ def _parallel_section(manifest: Manifest, single: Plan, attempt: Attempt, reques
         if layout.hosts > 1 else [],
     }
     if joined:
-        parallel["node"] = {"nnodes": request.nnodes, "node_rank": request.node_rank,
-                            "master_addr": request.master_addr, "master_port": request.master_port or MASTER_PORT,
-                            "ranks": [r.rank for r in attempt.ranks], "headless": request.node_rank > 0}
+        node: dict[str, Any] = {"nnodes": request.nnodes, "node_rank": request.node_rank,
+                                "master_addr": request.master_addr, "master_port": request.master_port or MASTER_PORT,
+                                "ranks": [r.rank for r in attempt.ranks], "headless": request.node_rank > 0}
         if request.address is not None:
-            parallel["node"]["address"] = request.address.to_dict()
+            node["address"] = request.address.to_dict()
+        parallel["node"] = node
     return parallel
 
 
