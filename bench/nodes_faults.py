@@ -6,17 +6,17 @@ veth pair, a private /dev/shm each, node 0 on core 0 and node 1 on core 1,
 address) and reports what happened, the seconds from the fault to each node's
 named exit, and what was left running in either namespace::
 
-    sudo /work/bin/engine-lock measure .venv/bin/python bench/nodes_faults.py [--faults link_down,late_node,...]
-         [--json OUT]
+    /work/bin/engine-lock measure .venv/bin/python bench/nodes_faults.py [--faults link_down,late_node,...]
+         [--json OUT]      # as root
 
 Faults: ``link_down`` (node 1's veth taken down mid-stream), ``late_node``
 (node 1 started 60 s after the head), ``twice`` (a second node 1 while the
 first serves), ``master_port_taken`` (vLLM's master port held on the head's
-host before it starts), ``no_route`` (node 1 given a master address its host has no
-route to), ``latency`` (every packet across the link delayed 50 ms each way by
-a user-space wire between two TUN devices instead of the veth: this kernel
-has no netem; reports decode tok/s with and without the delay, same wire).
-Needs root; prints why not otherwise.
+host before it starts), ``no_route`` (node 1 given a master address its host
+has no route to), ``latency`` (decode tok/s on the veth, then on a user-space
+wire between two TUN devices without and with 50 ms added to every packet from
+node 1 to the head: this kernel has no netem). Needs root; says why not
+otherwise (exit 2).
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from netns import Namespaces, Pair, launch_node, launch_pair, start_pair, unavailable  # noqa: E402
 
-#: The model and layout every pair runs (the demo: 4 heads and 2 KV heads split across TP 2).
+#: The model and layout every pair runs (the demo: 4 heads and 2 KV heads split across TP 2); ``--model`` and
+#: ``--layout`` change them (SmolLM2-135M: ``--layout "--pipeline-parallel-size 2"``, its 9 heads do not split).
 MODEL_ARGS = ["--tensor-parallel-size", "2"]
+#: The model's directory (None: the demo) and the name the pair serves it under (the directory's name).
+MODEL: str | None = None
+SERVED = "tiny-llama"
 PROMPT = "The gateway box in the cupboard has sixteen gigabytes of memory and"
 #: Seconds to wait for a node to end after a fault before calling it hung.
 EXIT_WAIT_S = 120
@@ -75,14 +79,14 @@ def left(pair: Pair) -> dict[str, list[int]]:
 
 
 def greedy(pair: Pair, tokens: int = 8) -> list[int]:
-    answer = pair.complete({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
+    answer = pair.complete({"model": SERVED, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
                             "ignore_eos": True, "return_token_ids": True})
     return list(answer["choices"][0]["token_ids"])
 
 
 def decode_rate(pair: Pair, tokens: int) -> float:
     """Decode tokens/s of one greedy stream: chunks after the first over the time they took."""
-    client = pair.post("/v1/completions", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": tokens,
+    client = pair.post("/v1/completions", {"model": SERVED, "prompt": PROMPT, "max_tokens": tokens,
                                            "temperature": 0, "ignore_eos": True, "stream": True}, 600)
     out, _ = client.communicate(timeout=900)
     stamps = [float(line.split(" ", 1)[0]) for line in out.splitlines()
@@ -102,7 +106,7 @@ def fault_link_down(tmp: Path) -> dict[str, Any]:
     """Node 1's veth taken down while the head streams a long completion."""
     with Namespaces("l") as spaces:
         pair = start_pair(spaces, tmp / "link_down", MODEL_ARGS, port=8101, master_port=29601)
-        client = pair.post("/v1/completions", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 480,
+        client = pair.post("/v1/completions", {"model": SERVED, "prompt": PROMPT, "max_tokens": 480,
                                                "temperature": 0, "ignore_eos": True, "stream": True}, 300)
         assert client.stdout is not None
         chunks = [client.stdout.readline() for _ in range(5)]
@@ -179,28 +183,54 @@ def fault_no_route(tmp: Path) -> dict[str, Any]:
 
 
 def fault_latency(tmp: Path, delay_ms: float = 50.0, tokens: int = 48) -> dict[str, Any]:
-    """The same pair on a user-space wire without and with ``delay_ms`` added to every packet node -> head."""
+    """The pair on the veth, then on a user-space wire without and with ``delay_ms`` added to every packet from
+    node 1 to the head (netem's ``delay`` on node 1's end): decode tok/s of each."""
     rates: dict[str, Any] = {}
-    for label, delay in (("0 ms", (0.0, 0.0)), (f"{delay_ms:.0f} ms", (0.0, delay_ms))):
+    for label, delay in (("veth", None), ("wire, 0 ms", (0.0, 0.0)), (f"wire, {delay_ms:.0f} ms", (0.0, delay_ms))):
         with Namespaces("d", wire_delay_ms=delay) as spaces:
-            pair = start_pair(spaces, tmp / f"latency-{delay[1]:.0f}", MODEL_ARGS, port=8106, master_port=29651)
+            logs = tmp / f"latency-{'veth' if delay is None else f'{delay[1]:.0f}'}"
+            pair = start_pair(spaces, logs, MODEL_ARGS, port=8106, master_port=29651)
             ids = greedy(pair)
             rate = decode_rate(pair, tokens)
             end = stopped(pair)
         rates[label] = {"ready_s": round(pair.ready_s, 1), "decode_tok_s": rate, "greedy_ids": ids, **end,
                         "left_after_cleanup": spaces.left}
-    return {"fault": f"{delay_ms:.0f} ms added to node 1 -> head (user-space wire)", "runs": rates}
+    return {"fault": f"{delay_ms:.0f} ms added to node 1 -> head", "runs": rates}
 
 
-FAULTS = {"link_down": fault_link_down, "late_node": fault_late_node, "twice": fault_twice,
+def fault_none(tmp: Path, tokens: int = 16) -> dict[str, Any]:
+    """No fault: the pair's greedy answer against one node's (``edge run`` of the same model, prompt and tokens)."""
+    one = subprocess.run([sys.executable, "-m", "edge_core", "run", *(["--model", MODEL] if MODEL else []),
+                          "--prompt", PROMPT, "--max-tokens", str(tokens), "--ignore-eos", "--max-model-len", "512",
+                          "--json"], capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    record = json.loads(one.stdout)["result"] if one.returncode == 0 else {"error": one.stderr[-2000:]}
+    with Namespaces("o") as spaces:
+        pair = start_pair(spaces, tmp / "none", MODEL_ARGS, port=8107, master_port=29661)
+        answer = pair.complete({"model": SERVED, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
+                                "ignore_eos": True, "return_token_ids": True})["choices"][0]
+        end = stopped(pair)
+    return {"fault": "none: two namespaces against one node", "layout": MODEL_ARGS, "ready_s": round(pair.ready_s, 1),
+            "pair_text": answer["text"], "one_node_text": record.get("text"),
+            "same_ids": answer["token_ids"] == record.get("token_ids"), **end, "left_after_cleanup": spaces.left}
+
+
+FAULTS = {"none": fault_none, "link_down": fault_link_down, "late_node": fault_late_node, "twice": fault_twice,
           "master_port_taken": fault_master_port_taken, "no_route": fault_no_route, "latency": fault_latency}
 
 
 def main() -> int:
+    global MODEL, MODEL_ARGS, SERVED, PROMPT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     parser.add_argument("--json", metavar="OUT", help="write the rows as JSON here")
+    parser.add_argument("--model", metavar="DIR", help="the model every pair serves (default: the demo)")
+    parser.add_argument("--layout", default="--tensor-parallel-size 2", help="the layout flags across the two nodes")
+    parser.add_argument("--prompt", default=PROMPT)
     args = parser.parse_args()
+    MODEL = os.path.abspath(args.model) if args.model else None
+    MODEL_ARGS = [*(["--model", MODEL] if MODEL else []), *args.layout.split()]
+    SERVED = Path(args.model).name if args.model else SERVED
+    PROMPT = args.prompt
     why = unavailable()
     if why is not None:
         print(f"skipped: {why}", file=sys.stderr)

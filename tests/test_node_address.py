@@ -121,6 +121,13 @@ def test_a_node_plan_states_its_address_and_sets_the_ranks_environment(capsys, e
     assert node["address"]["address"] == "127.0.0.1" and node["address"]["loopback"]
     env = doc["parallel"]["env"]
     assert env["VLLM_HOST_IP"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == node["address"]["interface"]
+    from edge_core.cli import main
+
+    assert main(["plan", "--tensor-parallel-size", "2", "--max-model-len", "512", "--nnodes", "2", "--node-rank", "1",
+                 "--master-addr", "127.0.0.1"]) == 0
+    said = capsys.readouterr().out
+    assert (f"address   its ranks bind and advertise 127.0.0.1 on {node['address']['interface']} (this host holds "
+            "127.0.0.1; loopback: every node on this host)") in said
 
 
 def test_a_head_that_does_not_hold_the_master_address_is_refused_node_unreachable(capsys, edge_cpu):
