@@ -203,14 +203,15 @@ def fault_none(tmp: Path, tokens: int = 16) -> dict[str, Any]:
     one = subprocess.run([sys.executable, "-m", "edge_core", "run", *(["--model", MODEL] if MODEL else []),
                           "--prompt", PROMPT, "--max-tokens", str(tokens), "--ignore-eos", "--max-model-len", "512",
                           "--json"], capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    record = json.loads(one.stdout)["result"] if one.returncode == 0 else {"error": one.stderr[-2000:]}
+    record = json.loads(one.stdout) if one.returncode == 0 else {"error": one.stderr[-2000:]}
     with Namespaces("o") as spaces:
         pair = start_pair(spaces, tmp / "none", MODEL_ARGS, port=8107, master_port=29661)
         answer = pair.complete({"model": SERVED, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
                                 "ignore_eos": True, "return_token_ids": True})["choices"][0]
         end = stopped(pair)
     return {"fault": "none: two namespaces against one node", "layout": MODEL_ARGS, "ready_s": round(pair.ready_s, 1),
-            "pair_text": answer["text"], "one_node_text": record.get("text"),
+            "pair_text": answer["text"], "one_node_text": record.get("text"), "one_node_error": record.get("error"),
+            "one_node_decode_tok_s": (record.get("timings") or {}).get("decode_tokens_per_s"),
             "same_ids": answer["token_ids"] == record.get("token_ids"), **end, "left_after_cleanup": spaces.left}
 
 
@@ -240,7 +241,10 @@ def main() -> int:
     os.environ.setdefault("EDGE_LEDGER_DIR", str(tmp / "ledger"))
     for name in args.faults.split(","):
         started = time.monotonic()
-        row = FAULTS[name](tmp)
+        try:
+            row = FAULTS[name](tmp)
+        except Exception as exc:  # noqa: BLE001 — one fault's failure is its row; the others still run
+            row = {"fault": name, "error": f"{type(exc).__name__}: {exc}"[:4000]}
         row["wall_s"] = round(time.monotonic() - started, 1)
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
