@@ -54,12 +54,12 @@ def wait_exits(pair: Pair, since: float, timeout_s: float = EXIT_WAIT_S,
     out: dict[str, Any] = {}
     deadline = since + timeout_s
     while time.monotonic() < deadline and any(k not in out for k in which):
-        for which, proc in (("head", pair.head), ("node", pair.node)):
-            if which not in out and proc.poll() is not None:
-                out[which] = {"rc": proc.returncode, "s": round(time.monotonic() - since, 1)}
+        for name, proc in (("head", pair.head), ("node", pair.node)):
+            if name not in out and proc.poll() is not None:
+                out[name] = {"rc": proc.returncode, "s": round(time.monotonic() - since, 1)}
         time.sleep(0.1)
-    for which in ("head", "node"):
-        out.setdefault(which, {"rc": None, "s": None})
+    for name in ("head", "node"):
+        out.setdefault(name, {"rc": None, "s": None})
     return out
 
 
