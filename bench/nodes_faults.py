@@ -117,7 +117,8 @@ def fault_link_down(tmp: Path) -> dict[str, Any]:
         still = left(pair)
         pair.stop()
     return {"fault": "link down mid-stream (node 1's veth)", "exits": exits,
-            "client_end": [line[:200] for line in rest.strip().splitlines() if line.strip()[-1:] != " "][-3:],
+            "client_end": [line[:200] for line in rest.splitlines() if line.partition(" ")[2].strip()
+                           or line.startswith(("END", "ERROR"))][-3:],
             "streamed_before": len(chunks),
             "head_says": named(pair.err("head")), "node_says": named(pair.err("node")), "left": still,
             "left_after_cleanup": spaces.left}
