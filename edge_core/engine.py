@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from .devices import Device
     from .host import HostFacts
-    from .layout import Layout
+    from .layout import Layout, NodeAddress
     from .plans import SessionSpec
 
 #: Layer kinds. ``mla`` is full attention over a compressed latent (one
@@ -201,3 +201,6 @@ class EngineRules(Protocol):
 
     def launch_notes(self, device: Device, layout: Layout) -> tuple[str, ...]:
         """What a person must know before running :meth:`node_commands` as printed (may be empty)."""
+
+    def node_address_env(self, address: NodeAddress) -> dict[str, str]:
+        """What one node's ranks need set to bind and advertise ``address`` (its interface and IP) to the others."""

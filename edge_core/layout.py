@@ -2,6 +2,8 @@
 
 :class:`Layout` and :class:`DeviceShare` are computed by :mod:`edge_core.plan.parallel`;
 a backend is handed a ``DeviceShare`` (``share``) by ``reserve_memory`` and ``gate_plan``.
+:class:`NodeAddress` is where one node of a multi-node layout reaches the others, read where it runs
+(:mod:`edge_core.runtime.node_address`) and handed to the engine's rules for its ranks' environment.
 """
 
 from __future__ import annotations
@@ -77,3 +79,37 @@ class DeviceShare:
         return {"tp": self.layout.tp, "pp": self.layout.pp, "ranks": list(self.ranks),
                 "pp_rank": self.pp_rank, "layers": list(self.layers) if self.layers else None,
                 "weight_bytes": self.weight_bytes, "rank_weight_bytes": self.rank_weight_bytes}
+
+
+@dataclass(frozen=True)
+class NodeAddress:
+    """The interface and address one node's ranks use to reach the head: what they bind and advertise.
+
+    Read on the node itself from its route to ``master_ip`` (the head: the
+    interface that holds ``master_ip``). ``problem`` says, in words, why there
+    is none (the name does not resolve, no route, the head does not hold the
+    address, the interface is down); the plan is then refused ``node_unreachable``.
+    """
+
+    #: ``--master-addr`` as given, and the IP it resolved to here (None when it did not).
+    master_addr: str
+    master_ip: str | None
+    #: The interface (``eth0``, ``lo``) and this node's address on it; None with a ``problem``.
+    interface: str | None = None
+    address: str | None = None
+    #: True when ``master_ip`` is an address of this host (the head, or a node on the head's host).
+    local: bool = False
+    problem: str | None = None
+
+    @property
+    def loopback(self) -> bool:
+        """True when the ranks talk over loopback: every node must then be on this one host."""
+        return self.address is not None and (self.address.startswith("127.") or self.address == "::1")
+
+    def describe(self) -> str:
+        """``eth0 10.0.0.2`` (the interface and the address), or the problem."""
+        return self.problem or f"{self.interface} {self.address}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"master_addr": self.master_addr, "master_ip": self.master_ip, "interface": self.interface,
+                "address": self.address, "local": self.local, "loopback": self.loopback, "problem": self.problem}

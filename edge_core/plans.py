@@ -49,6 +49,9 @@ REFUSAL_CODES = (
     "device_committed",
     # A tensor/pipeline-parallel layout vLLM would reject (edge_core/plan/parallel.py):
     "parallel_layout_invalid",
+    # A node of a --nnodes session with no address its ranks can reach the head on (edge_core/runtime/node_address.py),
+    # or that cannot reach the head's ranks on it (edge_core/runtime/nodes.py):
+    "node_unreachable",
 )
 
 #: Device kinds that take single exported stages, never a whole decode session.

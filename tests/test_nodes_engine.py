@@ -1,5 +1,10 @@
 """Two nodes joined on vLLM's multi-node executor, on this one machine: serve, answer, stop, lose a node.
 
+Where two network namespaces can be made (root, as CI), tests/test_nodes_netns.py serves the same tokens
+from two namespaces and takes both nodes through their stop paths (a link down), so the loopback pair that
+serves and is stopped here is skipped there, and the engine tests cost one pair each way; ``kill -9`` of a
+node runs everywhere.
+
 Two edge processes, each limited to one core (``taskset -c 0`` / ``-c 1``), loopback master address,
 TP 2 across them: ``edge serve --nnodes 2 --node-rank 0`` answers ``/v1/completions`` with the greedy
 token ids of a one-node run of the same layout (and of one rank): the suite's TP 2 and one-rank acceptance
@@ -155,6 +160,11 @@ def first_tokens(accept: tuple[Any, dict[str, Any]]) -> list[int]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[tuple[Pair, dict[str, Any]]]:
     """One pair serving, its answer to the prompt, then stopped by ``edge stop`` of the head."""
+    from netns import unavailable
+
+    if unavailable() is None:
+        pytest.skip("tests/test_nodes_netns.py serves these tokens from two network namespaces, which this host "
+                    "can make, and stops both nodes there")
     tmp = tmp_path_factory.mktemp("pair")
     pair = start_pair(tmp, "served")
     try:

@@ -327,6 +327,11 @@ def parallel_lines(parallel: dict[str, Any] | None) -> list[str]:
         lines.append(f"  node      {node['node_rank']} of {node['nnodes']} ({'headless: runs its ranks' if node['headless'] else 'the head: runs or serves'}"
                      f"), joined at {node['master_addr']}:{node['master_port']}; this plan is its ranks "
                      f"{', '.join(map(str, node['ranks']))} only")
+        address = node.get("address")
+        if address and not address.get("problem"):
+            lines.append(f"  address   its ranks bind and advertise {address['address']} on {address['interface']}"
+                         f" ({'this host holds' if address['local'] else 'the route to'} {address['master_ip']}"
+                         f"{'; loopback: every node on this host' if address['loopback'] else ''})")
     for command in parallel.get("commands") or ():
         where = f"node {command['node_rank']}" if "host" not in command else command["host"]
         lines.append(f"  on {where}: {command['command']}")

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..devices import Device
     from ..engine import ChargeSettings, KVLayout, ProcessLayout
     from ..host import HostFacts
-    from ..layout import Layout
+    from ..layout import Layout, NodeAddress
     from ..plans import SessionSpec
 
 
@@ -73,6 +73,9 @@ class VllmRules:
 
     def launch_notes(self, device: Device, layout: Layout) -> tuple[str, ...]:
         return vllm_launch.launch_notes(device, layout)
+
+    def node_address_env(self, address: NodeAddress) -> dict[str, str]:
+        return vllm_launch.node_address_env(address)
 
 
 #: The one instance the hooks hand out and the planner falls back to.

@@ -19,7 +19,7 @@ from ..layout import EXECUTOR_MP, EXECUTOR_RAY
 if TYPE_CHECKING:
     from ..devices import Device
     from ..host import HostFacts
-    from ..layout import Layout
+    from ..layout import Layout, NodeAddress
     from ..plans import SessionSpec
 
 #: The port the head's multi-node executor listens on when the user names none (vLLM's
@@ -178,6 +178,21 @@ def node_env(device: Device, layout: Layout, hosts: list[str], facts: Mapping[st
                 env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         out[host] = env
     return out
+
+
+def node_address_env(address: NodeAddress) -> dict[str, str]:
+    """What one node's ranks need to bind and advertise ``address`` instead of what the host name resolves to.
+
+    ``GLOO_SOCKET_IFNAME``: torch's Gloo groups (vLLM CPU's collectives, and every
+    build's CPU groups) bind and advertise that interface's address instead of
+    the host name's (loopback on Debian hosts, and here). ``VLLM_HOST_IP``: what
+    vLLM's cross-node message queues bind and advertise (``get_ip()``: else the
+    route to 8.8.8.8, or 0.0.0.0 without a default route). The workers' TCPStore
+    rendezvous is ``master_addr:master_port`` itself (docs/vllm-cpu-facts.md#more-than-one-machine).
+    """
+    if address.problem is not None or not address.interface or not address.address:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": address.interface, "VLLM_HOST_IP": address.address}
 
 
 def vllm_flags(engine_kwargs: Mapping[str, Any]) -> str:

@@ -158,10 +158,12 @@ def plan_model(request: PlanRequest, found: FoundDevices, registry: Registry, *,
     """
     from ..artifact.hub import looks_like_hub_id
 
+    parallel = with_node_address(request.parallel, found)
+
     def plan_once(path: str, ledger: LedgerView | None, rev: str | None) -> Plan:
         return make_plan(path, session=request.session, devices=found.devices, host=found.host, registry=registry,
                          devices_source=found.source, digest_weights=request.digest_weights, revision=rev,
-                         ledger=ledger, parallel=request.parallel, hosts=found.hosts)
+                         ledger=ledger, parallel=parallel, hosts=found.hosts)
 
     model, revision = request.model, request.revision
     if not fetch_weights:
@@ -180,6 +182,17 @@ def plan_model(request: PlanRequest, found: FoundDevices, registry: Registry, *,
     return admit(plan_once, downloaded.path if downloaded else model, None if downloaded else revision,
                  command=request.command, requested_model=request.requested_model, wait_s=request.wait_s,
                  downloaded=downloaded)
+
+
+def with_node_address(parallel: ParallelRequest, found: FoundDevices) -> ParallelRequest:
+    """``parallel`` with the address this node's ranks use (a node of ``--nnodes`` planned on its own devices)."""
+    if parallel.nnodes < 2 or found.source != "probed" or not parallel.master_addr:
+        return parallel
+    from ..plan.parallel import MASTER_PORT
+    from .node_address import read_node_address
+
+    return replace(parallel, address=read_node_address(parallel.master_addr, parallel.master_port or MASTER_PORT,
+                                                       parallel.node_rank))
 
 
 def make_plan(model_path: str, *, session: SessionSpec, devices: list[Device], host: HostFacts | None,

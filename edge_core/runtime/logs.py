@@ -131,6 +131,21 @@ class EngineLog:
         env["VLLM_CONFIGURE_LOGGING"] = "1"
         env["VLLM_LOGGING_CONFIG_PATH"] = config_path
 
+    def server_logging(self) -> dict[str, object] | None:
+        """uvicorn's logging config for vLLM's server: its loggers append to this log (None: uvicorn's own).
+
+        uvicorn configures its loggers itself, onto stderr: its report of a stream cancelled when a stop outlasts
+        the drain (a traceback) would otherwise land between edge's lines.
+        """
+        if self.path is None:
+            return None
+        return {"version": 1, "disable_existing_loggers": False,
+                "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(process)d %(name)s: %(message)s"}},
+                "handlers": {"file": {"class": "logging.FileHandler", "filename": self.path, "mode": "a",
+                                      "formatter": "plain"}},
+                "loggers": {name: {"handlers": ["file"], "level": "INFO", "propagate": False}
+                            for name in ("uvicorn", "uvicorn.error", "uvicorn.access")}}
+
     def open_fd(self) -> int | None:
         """A write descriptor on the log for spawned processes' stdout/stderr (None: they keep the terminal)."""
         if self.path is None:

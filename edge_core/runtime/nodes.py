@@ -19,6 +19,17 @@ with a named code (``head_refused``, ``head_failed``, ``head_stopped``), and a
 node whose own plan is refused tells the head, which fails with ``node_refused``
 naming it; no node waits out :data:`JOIN_TIMEOUT_S` for a head that is gone.
 
+Agreeing is not enough: vLLM's ranks connect to the addresses each node
+advertises (:mod:`.node_address`), on ports of their own. So once the nodes
+agree, each side connects to a port the other opens on its advertised address
+(:data:`PROBE_TIMEOUT_S`), and a failure ends every node with
+``node_unreachable`` before any rank starts. Before that the head checks that
+vLLM's master port is free (``master_port_in_use``, naming the holder); a second
+node with a rank already joined is turned away alone (``node_rank_taken``), then
+and for the session's life. The connections carry TCP keepalives, so a link
+that goes down (no end of stream ever comes) is a lost node or head within
+:data:`LINK_TIMEOUT_S`.
+
 One JSON object per line, UTF-8, on a plain TCP connection: the nodes of a
 session trust each other as vLLM's do (the workers' own channels are plain too).
 """
@@ -26,6 +37,7 @@ session trust each other as vLLM's do (the workers' own channels are plain too).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -56,7 +68,13 @@ AGREED = ("protocol", "nnodes", "tensor_parallel_size", "pipeline_parallel_size"
 #: Engine arguments that may differ between nodes: their own rank, and bytes each node sizes for itself.
 NODE_OWN_KWARGS = ("node_rank", "model", "gpu_memory_utilization", "master_addr")
 #: The descriptor's format; a node of another edge with another format is named as a mismatch.
-PROTOCOL = 1
+PROTOCOL = 2
+#: Seconds each side gives a connection to the other's advertised address once the nodes agree (a firewall that
+#: drops it is a timeout, one that rejects it is at once).
+PROBE_TIMEOUT_S = 5.0
+#: Seconds a side-channel connection may go unanswered (TCP keepalives every second after 2 s idle, and
+#: TCP_USER_TIMEOUT) before the other side is lost: a link taken down closes nothing.
+LINK_TIMEOUT_S = 8.0
 
 
 def link_port(master_port: int) -> int:
@@ -86,6 +104,7 @@ def descriptor(plan: Plan, builds: dict[str, str], node: dict[str, Any] | None =
         "artifact_id": plan.manifest.artifact_id if plan.manifest is not None else None, "backend": plan.backend,
         "builds": builds, "engine": {k: v for k, v in sorted(kwargs.items()) if k not in NODE_OWN_KWARGS},
         "refused": [] if plan.admitted else [f"[{r.code}] {r.message}" for r in plan.refusals],
+        "address": node.get("address"),
     }
 
 
@@ -141,13 +160,20 @@ class Lifeline:
     ``ended`` says why (``node_lost: ...`` / ``head_lost: ...``, or a stop the
     head announced); ending means SIGTERM to this process, which every
     command already takes as its stop (a server drains, a run cancels, a
-    headless node shuts its workers down).
+    headless node shuts its workers down). On the head, ``door`` is the side
+    channel's listener, kept open for the session's life: a node that comes
+    after the session started is told ``node_rank_taken`` (its rank is here).
     """
 
-    def __init__(self, peers: dict[int, socket.socket], head: bool, on_end: Callable[[], None] | None = None):
+    def __init__(self, peers: dict[int, socket.socket], head: bool, on_end: Callable[[], None] | None = None,
+                 door: socket.socket | None = None, joined_from: dict[int, dict[str, Any]] | None = None,
+                 say: Any = None):
         self.peers = peers
         self.head = head
         self.on_end = on_end or terminate_self
+        self.door = door
+        self.joined_from = joined_from or {}
+        self.say = say
         self.ended: str | None = None
         self.lost: NodeError | None = None
         self._closing = False
@@ -159,7 +185,10 @@ class Lifeline:
         selector = selectors.DefaultSelector()
         for rank, sock in self.peers.items():
             sock.settimeout(None)
+            keep_alive(sock)
             selector.register(sock, selectors.EVENT_READ, rank)
+        if self.door is not None:
+            selector.register(self.door, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._loop, args=(selector,), name="edge-node-lifeline", daemon=True)
         self._thread.start()
         return self
@@ -172,29 +201,52 @@ class Lifeline:
         while not self._closing:
             for key, _ in selector.select(timeout=0.5):
                 rank = key.data
+                if rank is None:
+                    self._turn_away()
+                    continue
+                failed: OSError | None = None
                 try:
                     chunk = key.fileobj.recv(4096)
-                except OSError:
-                    chunk = b""
+                except OSError as exc:
+                    chunk, failed = b"", exc
                 if self._closing:
                     return
                 stop = _stop_of(chunk) if chunk and not self.head else None
                 if stop is not None:
                     why = str(stop.get("reason") or "stopped")
-                    failed = NodeError(str(stop["code"]), str(stop.get("message") or why)) if stop.get("code") else None
-                    self._end(f"the head stopped ({why})", failed)
+                    failed_head = NodeError(str(stop["code"]), str(stop.get("message") or why)) \
+                        if stop.get("code") else None
+                    self._end(f"the head stopped ({why})", failed_head)
                     return
                 if not chunk:
-                    if self.head:
-                        self._end(f"node {rank} went away", NodeError(
-                            "node_lost", f"node {rank} of this session closed its connection to the head (its edge "
-                                         "process ended: stopped, crashed or killed); the session cannot go on "
-                                         "without its ranks; start that node again, then this one"))
-                    else:
-                        self._end("the head went away", NodeError(
-                            "head_lost", "node 0 (the head) closed its connection without a stop (its edge "
-                                         "process ended: crashed or killed); this node's ranks are stopped"))
+                    self._end(*_lost(rank, self.head, failed))
                     return
+
+    def _turn_away(self) -> None:
+        """A node that comes while the session runs: answered ``node_rank_taken`` (or a mismatch) in a thread."""
+        assert self.door is not None
+        try:
+            sock, where = self.door.accept()
+        except OSError:
+            return
+        threading.Thread(target=self._answer_late, args=(sock, str(where[0])), name="edge-node-door",
+                         daemon=True).start()
+
+    def _answer_late(self, sock: socket.socket, where: str) -> None:
+        with contextlib.closing(sock):
+            try:
+                theirs = _read_line(sock, time.monotonic() + 10)
+            except (TimeoutError, ValueError, OSError):
+                return
+            if theirs is None:
+                return
+            error = _taken(theirs, where, self.joined_from) or NodeError(
+                "node_mismatch", f"node {theirs.get('node_rank')} ({theirs.get('host')}, {where}) came after the "
+                                 "session started with every node; start it with the session's other nodes",
+                EXIT_REFUSED)
+            if self.say is not None:
+                self.say(f"turned away node {theirs.get('node_rank')} from {theirs.get('host')} ({where}): {error.code}")
+            _answer(sock, error)
 
     def _end(self, why: str, lost: NodeError | None) -> None:
         self.ended, self.lost = why, lost
@@ -210,8 +262,54 @@ class Lifeline:
                     extra = {"code": failure.code, "message": failure.message} if failure is not None else {}
                     _send(sock, {"event": "stop", "reason": reason, **extra})
                 sock.close()
+        if self.door is not None:
+            with contextlib.suppress(OSError):
+                self.door.close()
         if self._thread is not None:
             self._thread.join(2)
+
+
+#: A connection the other side did not answer (a link down, a host gone) rather than one it closed.
+_SILENT = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET)
+
+
+def _lost(rank: int, head: bool, failed: OSError | None) -> tuple[str, NodeError]:
+    """Why the other side is gone, in words: it closed its connection, or it stopped answering."""
+    silent = failed is not None and failed.errno in _SILENT
+    if head:
+        how = (f"stopped answering on the side channel ({failed.strerror or failed} after {LINK_TIMEOUT_S:.0f} s "
+               "without a reply: the link to it is down or its host is gone)" if silent and failed is not None else
+               "closed its connection to the head (its edge process ended: stopped, crashed or killed)")
+        return f"node {rank} went away", NodeError(
+            "node_lost", f"node {rank} of this session {how}; the session cannot go on without its ranks; start "
+                         "that node again, then this one")
+    how = (f"stopped answering on the side channel ({failed.strerror or failed} after {LINK_TIMEOUT_S:.0f} s "
+           "without a reply: the link to it is down or its host is gone)" if silent and failed is not None else
+           "closed its connection without a stop (its edge process ended: crashed or killed)")
+    return "the head went away", NodeError("head_lost", f"node 0 (the head) {how}; this node's ranks are stopped")
+
+
+def keep_alive(sock: socket.socket, timeout_s: float = LINK_TIMEOUT_S) -> None:
+    """TCP keepalives on ``sock`` (after 2 s idle, every second), and unanswered data or probes end it after
+    ``timeout_s``: a side whose link is down is then seen as gone, not waited on forever."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(int(timeout_s) - 2, 1))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout_s * 1000))
+
+
+def _taken(theirs: dict[str, Any], where: str, joined_from: dict[int, dict[str, Any]]) -> NodeError | None:
+    """``node_rank_taken`` when a node of ``theirs``'s rank already joined this session, else None."""
+    rank = theirs.get("node_rank")
+    first = joined_from.get(rank) if isinstance(rank, int) else None
+    if first is None:
+        return None
+    return NodeError("node_rank_taken", f"node {rank} of this session already joined from {first.get('host')} "
+                     f"({first.get('where')}, pid {first.get('pid')}); this one ({theirs.get('host')}, {where}, pid "
+                     f"{theirs.get('pid')}) was not started: stop the other first (that ends the session), or give "
+                     "this one the --node-rank it was meant to have", EXIT_REFUSED)
 
 
 def terminate_self() -> None:
@@ -240,16 +338,19 @@ def head_failure(exc: BaseException) -> NodeError | None:
 @contextlib.contextmanager
 def joined(plan: Plan, builds: dict[str, str], say: Any = None,
            on_end: Callable[[], None] | None = None) -> Iterator[Lifeline | None]:
-    """Inside: this node has met the others and they agree; the lifeline watches them. None for one node.
+    """Inside: this node has met the others, they agree and reach each other; the lifeline watches them.
 
-    The head (node 0) listens on :func:`link_port`, waits up to
-    :data:`JOIN_TIMEOUT_S` for every other node and checks each descriptor;
-    another node connects to the head (retrying while it is not up yet) and
-    waits for its answer. Raises :class:`NodeError` (exit 2) for a mismatch,
-    a node that refused its own plan, or a node that never came, before any
-    worker starts. Leaving tells the other nodes to stop (the head; with
-    ``head_failed`` when the body raised) and closes the connections. ``on_end`` is what the lifeline does
-    when the session ends from the other side (default: :func:`terminate_self`).
+    None for one node. The head (node 0) checks that vLLM's master port is
+    free, listens on :func:`link_port`, waits up to :data:`JOIN_TIMEOUT_S` for
+    every other node and checks each descriptor, then each side connects to a
+    port the other opens on its advertised address; another node connects to
+    the head (retrying while it is not up yet) and waits for its answer.
+    Raises :class:`NodeError` (exit 2) for a port in use, a mismatch, a node
+    that refused its own plan, a node that never came, or nodes that cannot
+    reach each other's addresses, before any worker starts. Leaving tells the
+    other nodes to stop (the head; with ``head_failed`` when the body raised)
+    and closes the connections. ``on_end`` is what the lifeline does when the
+    session ends from the other side (default: :func:`terminate_self`).
     """
     node = node_of(plan)
     if node is None:
@@ -257,8 +358,11 @@ def joined(plan: Plan, builds: dict[str, str], say: Any = None,
         return
     mine = descriptor(plan, builds)
     address = (node["master_addr"], link_port(node["master_port"]))
-    peers = _gather(mine, address, node["nnodes"], say) if node["node_rank"] == 0 else _join(mine, address, say)
-    line = Lifeline(peers, head=node["node_rank"] == 0, on_end=on_end).watch()
+    if node["node_rank"] == 0:
+        peers, door, joined_from = _gather(mine, address, node["nnodes"], node["master_port"], say)
+        line = Lifeline(peers, head=True, on_end=on_end, door=door, joined_from=joined_from, say=say).watch()
+    else:
+        line = Lifeline(_join(mine, address, say), head=False, on_end=on_end).watch()
     try:
         yield line
     except BaseException as exc:
@@ -267,23 +371,44 @@ def joined(plan: Plan, builds: dict[str, str], say: Any = None,
     line.close("the head stopped" if line.head else "stopped")
 
 
-def _gather(mine: dict[str, Any], address: tuple[str, int], nnodes: int, say: Any) -> dict[int, socket.socket]:
+def _gather(mine: dict[str, Any], address: tuple[str, int], nnodes: int, master_port: int, say: Any
+            ) -> tuple[dict[int, socket.socket], socket.socket, dict[int, dict[str, Any]]]:
+    """Every other node, joined and checked: their connections, the listener (the door), and where each came from."""
     listener = _listen(address)
-    if say is not None:
-        say(f"node 0 of {nnodes}: waiting for {nnodes - 1} other node{'s' if nnodes > 2 else ''} at "
-            f"{address[0]}:{address[1]} (up to {JOIN_TIMEOUT_S:.0f} s)")
     peers: dict[int, socket.socket] = {}
+    joined_from: dict[int, dict[str, Any]] = {}
     try:
+        busy = master_port_holder(master_port)
+        if busy is not None:
+            in_use = NodeError("master_port_in_use", f"port {master_port} (vLLM's --master-port, where the ranks of "
+                              f"every node meet) is already in use on the head's host ({socket.gethostname()}, "
+                              f"{address[0]}){busy}; nothing was started: stop that process, or start every node "
+                              "with another --master-port", EXIT_REFUSED)
+            _tell_rest(listener, {}, in_use, nnodes, say)
+            raise in_use
+        if say is not None:
+            say(f"node 0 of {nnodes}: waiting for {nnodes - 1} other node{'s' if nnodes > 2 else ''} at "
+                f"{address[0]}:{address[1]} (up to {JOIN_TIMEOUT_S:.0f} s){_uses(mine, 'its')}")
         for sock, theirs, where in _arrivals(listener, time.monotonic() + JOIN_TIMEOUT_S):
             rank = theirs.get("node_rank")
+            taken = _taken(theirs, where, joined_from)
+            if taken is not None:  # a second node of a rank already here: turned away alone
+                if say is not None:
+                    say(f"turned away a second node {rank} from {theirs.get('host')} ({where}): {taken.code}")
+                _answer(sock, taken)
+                continue
             error = _refusal_of(theirs, where) or _mismatch(mine, theirs, where, nnodes, peers)
             if error is not None:
                 _tell_rest(listener, {**peers, rank if isinstance(rank, int) and rank not in peers else -1: sock},
                            error, nnodes, say)
                 raise error
-            peers[int(rank)] = sock  # type: ignore[arg-type]  # checked by _mismatch
+            assert isinstance(rank, int)  # in range and free: checked by _mismatch
+            peers[rank] = sock
+            joined_from[rank] = {"host": theirs.get("host"), "where": where, "pid": theirs.get("pid"),
+                                 "address": theirs.get("address"), "probe_port": theirs.get("probe_port")}
             if say is not None:
-                say(f"node {rank} joined from {theirs.get('host')} ({where}): layout, model and build agree")
+                say(f"node {rank} joined from {theirs.get('host')} ({where}): layout, model and build agree"
+                    f"{_uses(theirs, 'its')}")
             if len(peers) == nnodes - 1:
                 break
         else:
@@ -291,17 +416,109 @@ def _gather(mine: dict[str, Any], address: tuple[str, int], nnodes: int, say: An
             raise NodeError("node_join_timeout", f"node{'s' if len(missing) > 1 else ''} "
                             f"{', '.join(map(str, missing))} did not join within {JOIN_TIMEOUT_S:.0f} s at "
                             f"{address[0]}:{address[1]}; start `edge ... --node-rank R` on each", EXIT_REFUSED)
+        _check_reach(mine, peers, joined_from, say)
         for sock in peers.values():
-            _send(sock, {"ok": True})
+            _send(sock, {"ok": True, "head_address": mine.get("address")})
     except BaseException as exc:
         stopped = NodeError("head_stopped", f"node 0 (the head) was stopped ({str(exc) or 'SIGINT'}) before "
                             "every node joined; nothing was started", EXIT_REFUSED)
         for sock in peers.values():
             _answer(sock, stopped if isinstance(exc, KeyboardInterrupt) else exc)
-        raise
-    finally:
         listener.close()
-    return peers
+        raise
+    return peers, listener, joined_from
+
+
+def _uses(descriptor: dict[str, Any], whose: str) -> str:
+    """``; its ranks use eth0 10.0.0.2`` when the descriptor carries its node's address, else nothing."""
+    here = descriptor.get("address") or {}
+    return f"; {whose} ranks use {here['interface']} {here['address']}" if here.get("address") else ""
+
+
+def master_port_holder(port: int) -> str | None:
+    """None when vLLM's TCPStore could listen on ``port`` (every address, as it does); else `` by pid N (cmd)``
+    or ``""`` when the holder cannot be seen."""
+    from .serve import port_holder
+
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
+            probe.listen(1)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise UsageError(f"the head cannot listen on --master-port {port} ({exc.strerror or exc})") from None
+            return port_holder(port)
+    return None
+
+
+def _check_reach(mine: dict[str, Any], peers: dict[int, socket.socket], joined_from: dict[int, dict[str, Any]],
+                 say: Any) -> None:
+    """The head connects to each node's advertised address and each node to the head's, or ``node_unreachable``.
+
+    vLLM's ranks connect both ways on ports of their own (Gloo's pairs, the
+    message queues' ZMQ sockets), so one connection each way to a fresh port on
+    the advertised address is what the handshake's own connection (one port,
+    one way) does not prove. Skipped for a node whose address was not read (a
+    plan made from a saved device list).
+    """
+    here = mine.get("address") or {}
+    if not here.get("address"):
+        return
+    with contextlib.closing(_probe_listener(here["address"])) as listener:
+        port = listener.getsockname()[1]
+        for rank, sock in peers.items():
+            came = joined_from[rank]
+            there = came.get("address") or {}
+            if not there.get("address") or not came.get("probe_port"):
+                continue
+            try:
+                out_ms = _reach((there["address"], int(came["probe_port"])))
+            except OSError as exc:
+                raise NodeError("node_unreachable", f"the head ({here['interface']} {here['address']}) cannot connect "
+                                f"to node {rank}'s ranks' address {there['address']} ({there['interface']} on "
+                                f"{came['host']}, whose side channel came from {came['where']}): {_why(exc)}; "
+                                f"{_UNREACHABLE_REMEDY}", EXIT_REFUSED) from None
+            _send(sock, {"event": "probe", "address": here["address"], "port": port})
+            reply = _read_line(sock, time.monotonic() + PROBE_TIMEOUT_S + 5) or {"error": "it closed the connection"}
+            if not reply.get("ok"):
+                raise NodeError("node_unreachable", f"node {rank} ({there['interface']} {there['address']} on "
+                                f"{came['host']}) cannot connect to the head's ranks' address {here['address']} "
+                                f"({here['interface']}): {reply.get('error')}; {_UNREACHABLE_REMEDY}", EXIT_REFUSED)
+            if say is not None:
+                say(f"node {rank} and the head reach each other's ranks' addresses ({here['address']} <-> "
+                    f"{there['address']}: {out_ms:.1f} ms / {float(reply.get('ms') or 0):.1f} ms to connect)")
+
+
+#: What to do when the nodes cannot reach each other's ranks: the end of every ``node_unreachable`` message.
+_UNREACHABLE_REMEDY = ("vLLM's ranks would not meet, so nothing was started: let the nodes reach each other on those "
+                       "addresses (routes, and a firewall open to every TCP port between them), or give "
+                       "--master-addr on a network they share")
+
+
+def _probe_listener(address: str) -> socket.socket:
+    """A listener on a fresh port of ``address``, as each rank's own are; ``node_unreachable`` if it cannot be."""
+    try:
+        return socket.create_server((address, 0), family=socket.AF_INET6 if ":" in address else socket.AF_INET)
+    except OSError as exc:
+        raise NodeError("node_unreachable", f"this node cannot listen on its own ranks' address {address} "
+                        f"({exc.strerror or exc}); {_UNREACHABLE_REMEDY}", EXIT_REFUSED) from None
+
+
+def _reach(target: tuple[str, int]) -> float:
+    """Milliseconds a TCP connection to ``target`` took (closed at once); OSError when none came."""
+    started = time.monotonic()
+    with socket.create_connection(target, timeout=PROBE_TIMEOUT_S):
+        return (time.monotonic() - started) * 1000
+
+
+def _why(exc: OSError) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {PROBE_TIMEOUT_S:.0f} s"
+    return exc.strerror or str(exc)
 
 
 def _listen(address: tuple[str, int]) -> socket.socket:
@@ -415,7 +632,7 @@ def tell_early_end(plan: Plan, builds: dict[str, str], node: dict[str, Any] | No
     if say is not None:
         say(f"telling the head at {address[0]}:{address[1]} (up to {NOTICE_S:.0f} s; Ctrl-C leaves now)")
     with contextlib.suppress(KeyboardInterrupt, TimeoutError, ValueError, OSError):
-        sock = _connect(address, time.monotonic() + NOTICE_S)
+        sock = _connect(address, time.monotonic() + NOTICE_S, routed=True)
         if sock is None:
             return None
         with contextlib.closing(sock):
@@ -426,20 +643,36 @@ def tell_early_end(plan: Plan, builds: dict[str, str], node: dict[str, Any] | No
     return None
 
 
-def _connect(address: tuple[str, int], deadline: float) -> socket.socket | None:
-    """A connection to the head, retried while it is not listening yet; None past ``deadline``."""
+def _connect(address: tuple[str, int], deadline: float, routed: bool = False) -> socket.socket | None:
+    """A connection to the head, retried while it is not listening yet; None past ``deadline``.
+
+    ``routed``: None at once when this host has no route to the head (nothing to wait for).
+    """
     while True:
         try:
             return socket.create_connection(address, timeout=5)
-        except OSError:
-            if time.monotonic() >= deadline:
+        except OSError as exc:
+            if time.monotonic() >= deadline or (routed and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH)):
                 return None
             time.sleep(RETRY_S)
 
 
 def _join(mine: dict[str, Any], address: tuple[str, int], say: Any) -> dict[int, socket.socket]:
     if say is not None:
-        say(f"node {mine['node_rank']} of {mine['nnodes']}: joining the head at {address[0]}:{address[1]}")
+        whose = "this node's"
+        say(f"node {mine['node_rank']} of {mine['nnodes']}: joining the head at {address[0]}:{address[1]}"
+            f"{_uses(mine, whose)}")
+    here = (mine.get("address") or {}).get("address")
+    probe = _probe_listener(here) if here else None  # the head connects here once the nodes agree
+    try:
+        return _join_through(mine, address, probe)
+    finally:
+        if probe is not None:
+            probe.close()
+
+
+def _join_through(mine: dict[str, Any], address: tuple[str, int], probe: socket.socket | None
+                  ) -> dict[int, socket.socket]:
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     sock = _connect(address, deadline)
     if sock is None:
@@ -447,8 +680,11 @@ def _join(mine: dict[str, Any], address: tuple[str, int], say: Any) -> dict[int,
                         f"{JOIN_TIMEOUT_S:.0f} s; start node 0 with the same --master-addr and --master-port",
                         EXIT_REFUSED)
     try:
-        _send(sock, mine)
+        _send(sock, {**mine, "probe_port": probe.getsockname()[1] if probe is not None else None})
         answer = _read_line(sock, deadline)
+        while answer is not None and answer.get("event") == "probe":  # the head's address, to connect to
+            _send(sock, _reach_back(answer))
+            answer = _read_line(sock, deadline)
     except (TimeoutError, ValueError, OSError):
         sock.close()
         raise NodeError("node_join_timeout", f"the head at {address[0]}:{address[1]} did not answer", EXIT_REFUSED) \
@@ -461,3 +697,13 @@ def _join(mine: dict[str, Any], address: tuple[str, int], say: Any) -> dict[int,
         sock.close()
         raise NodeError(str(answer.get("code") or "node_mismatch"), str(answer.get("message")), EXIT_REFUSED)
     return {0: sock}
+
+
+def _reach_back(asked: dict[str, Any]) -> dict[str, Any]:
+    """This node's answer to the head's ``probe``: whether a connection to the head's address came, and how fast."""
+    try:
+        return {"event": "probed", "ok": True, "ms": round(_reach((str(asked["address"]), int(asked["port"]))), 3)}
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        return {"event": "probed", "ok": False,
+                "error": f"{_why(exc) if isinstance(exc, OSError) else exc} (to {asked.get('address')}:"
+                         f"{asked.get('port')})"}

@@ -148,9 +148,11 @@ class VllmServer:
             # after and puts edge's draining stop in their place.
             loop.call_soon(self._take_signals, loop, app, engine)
             loop.create_task(self._announce_ready(app))
+            logging_config = engine_log.server_logging()
             finished = await serve_http(app, sock=options.sock, host=options.host, port=options.port,
                                         log_level="warning", access_log=False,
-                                        timeout_graceful_shutdown=options.drain_timeout_s + CLOSE_GRACE_S)
+                                        timeout_graceful_shutdown=options.drain_timeout_s + CLOSE_GRACE_S,
+                                        **({"log_config": logging_config} if logging_config else {}))
             await finished  # serve_http hands back its shutdown coroutine
             if not self._stopping and getattr(engine, "errored", False):
                 # vLLM's watchdog stopped the server because its engine died: name the death, exit non-zero.

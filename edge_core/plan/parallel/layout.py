@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...engines.vllm_launch import MASTER_PORT
+from ...layout import NodeAddress
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ParallelRequest:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    #: Not pinned but read where the node runs (admission): the interface and address its ranks use to reach
+    #: the head; None when the plan is not for this host (a saved device list) or for one node.
+    address: NodeAddress | None = None
 
     @property
     def pinned(self) -> bool:

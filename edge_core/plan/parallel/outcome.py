@@ -40,6 +40,8 @@ def admitted_plan(manifest: Manifest, single: Plan, attempt: Attempt, request: P
     kwargs = _engine_kwargs(manifest, session, attempt, request, kv)
     env, unpinned = rules.launch_env(device, layout, session, facts.get(host_of(device)),
                                      [d for d, _, _ in attempt.outcomes])
+    if request.nnodes > 1 and request.address is not None:
+        env = {**env, **rules.node_address_env(request.address)}
     parallel = _parallel_section(manifest, single, attempt, request, facts, command_model, kwargs, env, rules)
     return replace(single, admitted=True, refusals=(), selected_device=device, reservations=outcome.reservations,
                    peak=outcome.peak, capacity_bytes=outcome.capacity_bytes or 0, kv=kv, engine_kwargs=kwargs,
@@ -110,9 +112,12 @@ def _parallel_section(manifest: Manifest, single: Plan, attempt: Attempt, reques
         if layout.hosts > 1 else [],
     }
     if joined:
-        parallel["node"] = {"nnodes": request.nnodes, "node_rank": request.node_rank,
-                            "master_addr": request.master_addr, "master_port": request.master_port or MASTER_PORT,
-                            "ranks": [r.rank for r in attempt.ranks], "headless": request.node_rank > 0}
+        node: dict[str, Any] = {"nnodes": request.nnodes, "node_rank": request.node_rank,
+                                "master_addr": request.master_addr, "master_port": request.master_port or MASTER_PORT,
+                                "ranks": [r.rank for r in attempt.ranks], "headless": request.node_rank > 0}
+        if request.address is not None:
+            node["address"] = request.address.to_dict()
+        parallel["node"] = node
     return parallel
 
 

@@ -111,6 +111,7 @@ def _plan_node(manifest: Manifest, single: Plan, request: ParallelRequest, group
             remedy=f"make --tensor-parallel-size x --pipeline-parallel-size a multiple of {request.nnodes}, e.g. "
                    f"--tensor-parallel-size {request.nnodes}",
             details={"dimension": "nnodes", "nnodes": request.nnodes, "world_size": layout.world_size}))
+    refusals += _address_refusals(request)
     tried: list[Attempt] = []
     if not refusals:
         for group in groups:
@@ -124,3 +125,20 @@ def _plan_node(manifest: Manifest, single: Plan, request: ParallelRequest, group
     if refusals:
         return replace(single, admitted=False, refusals=tuple(refusals))
     return refused_plan(single, tried, request, [d for d in devices if groupable(d)])
+
+
+def _address_refusals(request: ParallelRequest) -> list[Refusal]:
+    """``node_unreachable`` when this node has no address its ranks could reach the head on."""
+    address = request.address
+    if address is None or address.problem is None:
+        return []
+    head = request.node_rank == 0
+    return [Refusal(
+        code="node_unreachable",
+        message=f"node {request.node_rank}{' (the head)' if head else ''}: {address.problem}; vLLM's ranks "
+                "would not meet",
+        remedy=("give --master-addr as an address this host holds on the network the other nodes share (every "
+                "node the same)" if head else
+                "give --master-addr as node 0's address on a network this host shares with it (`ip route get "
+                f"{address.master_ip or address.master_addr}` shows the way), and bring that interface up"),
+        details=address.to_dict())]
