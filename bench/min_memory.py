@@ -476,6 +476,34 @@ def classify(rc: int | None, timed_out: bool, refused: bool, oom_kills: int, dec
     return "runs"
 
 
+def least_limits(starts: dict[str, int], run: Callable[[str, int], dict[str, Any]], *, order: list[str],
+                 slow_retries: int = 1, ceiling: int | None = None,
+                 write: Callable[[dict[str, Any]], None] = lambda rec: None) -> dict[str, Bisection]:
+    """Bisect every subject's least limit, one probe each in turn (``order``), from ``starts`` (bytes).
+
+    ``run(subject, limit)`` is one probe's record (its ``outcome``); a ``slow`` probe is rerun up to
+    ``slow_retries`` times and the better run counts (a busy machine slows a run that is not thrashing).
+    Every record goes to ``write``, the superseded ones marked so.
+    """
+    bis = {s: Bisection(start=max(starts[s], RESOLUTION), ceiling=ceiling) for s in order}
+    while any(not b.done for b in bis.values()):
+        for s in order:
+            if (limit := bis[s].next()) is None:
+                continue
+            rec = run(s, limit)
+            for _ in range(slow_retries if rec["outcome"] == "slow" else 0):
+                write(dict(rec, kind="probe", superseded=True))
+                again = run(s, limit)
+                if again["outcome"] == "runs" or (again.get("decode_tok_s") or 0) > (rec.get("decode_tok_s") or 0):
+                    rec = again
+                if rec["outcome"] != "slow":
+                    break
+            rec["kind"] = "probe"
+            bis[s].record(limit, rec["outcome"] == "runs")
+            write(rec)
+    return bis
+
+
 # ---------------------------------------------------------------- the plain subject (a child of this script)
 
 
@@ -804,28 +832,19 @@ def measure(args: argparse.Namespace) -> int:
             show(rec)
             if rec["outcome"] == "runs":
                 baselines[s] = rec
-        bis = {s: Bisection(start=max(b["tree_pss_peak"]["pss"], RESOLUTION), ceiling=host["mem_total_bytes"])
-               for s, b in baselines.items()}
-        rnd = 0
-        while any(not b.done for b in bis.values()):
-            for s in (order if rnd % 2 == 0 else order[::-1]):
-                if s not in bis or (limit := bis[s].next()) is None:
-                    continue
-                b = baselines[s]
-                spec = dict(base, subject=s, limit_bytes=limit, baseline_decode=b["decode_tok_s"],
-                            timeout_s=args.timeout or max(300, 3 * b["wall_s"]))
-                rec = run_probe(spec, args.lock)
-                for _ in range(args.slow_retries if rec["outcome"] == "slow" else 0):
-                    write(dict(rec, kind="probe", superseded=True))
-                    show(rec)
-                    again = run_probe(spec, args.lock)
-                    if again["outcome"] == "runs" or (again.get("decode_tok_s") or 0) > (rec.get("decode_tok_s") or 0):
-                        rec = again
-                rec["kind"] = "probe"
-                bis[s].record(limit, rec["outcome"] == "runs")
-                write(rec)
-                show(rec)
-            rnd += 1
+
+        def run(subject: str, limit: int, base: dict = base, baselines: dict[str, dict] = baselines) -> dict:
+            b = baselines[subject]
+            return run_probe(dict(base, subject=subject, limit_bytes=limit, baseline_decode=b["decode_tok_s"],
+                                  timeout_s=args.timeout or max(300, 3 * b["wall_s"])), args.lock)
+
+        def log(rec: dict) -> None:
+            write(rec)
+            show(rec)
+
+        bis = least_limits({s: b["tree_pss_peak"]["pss"] for s, b in baselines.items()}, run,
+                           order=[s for s in order if s in baselines], slow_retries=args.slow_retries,
+                           ceiling=host["mem_total_bytes"], write=log)
         for s, b in bis.items():
             print(f"  {s}: least limit {fmt_mib(b.hi)} (fails at {fmt_mib(b.lo)})"
                   + (f"; failed above it at {[fmt_mib(x) for x in b.non_monotone]}" if b.non_monotone else ""),
