@@ -86,6 +86,8 @@ PLAIN_PLUGINS = "edge_cpu_amx"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 #: edge's line on stderr once its plan has admitted and before the engine starts (edge_core/cli/run.py).
 EDGE_STARTING = re.compile(r"^edge: starting \S+ on ")
+#: ... and once the engine is ready, before the prompt is sent.
+EDGE_READY = re.compile(r"^edge: starting \S+ on .* done in ")
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 #: cgroup v1 reports "no limit" as a huge page-aligned number.
@@ -630,6 +632,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     stderr_lines: list[str] = []
     applied: list[float] = []
     errors: list[str] = []
+    ready_faults: list[int] = []
     t0 = time.monotonic()
     timed_out = False
     try:
@@ -648,7 +651,16 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
                     if on_line:
                         on_line(line)
 
+            def ready() -> None:  # major faults from here on are the decode's (and the stop's)
+                ready_faults.append(cg.stats().get("pgmajfault") or 0)
+
+            def on_out(line: str) -> None:
+                if line.startswith("PHASE loaded"):
+                    ready()
+
             def on_err(line: str) -> None:
+                if EDGE_READY.match(line):
+                    ready()
                 if deferred and not applied and not errors and EDGE_STARTING.match(line):
                     try:
                         cg.set_limit(limit)
@@ -657,7 +669,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
                         errors.append(str(exc))
                         cg.kill_all(wait_s=1)
 
-            readers = [threading.Thread(target=pump, args=(proc.stdout, stdout_lines), daemon=True)]
+            readers = [threading.Thread(target=pump, args=(proc.stdout, stdout_lines, on_out), daemon=True)]
             if proc.stderr is not None:
                 readers.append(threading.Thread(target=pump, args=(proc.stderr, stderr_lines, on_err), daemon=True))
             for r in readers:
@@ -681,6 +693,8 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
         cg.remove()
     rec["rc"] = proc.returncode
     rec["limit_applied_at_s"] = round(applied[0], 1) if applied else None
+    if ready_faults and rec["cgroup"].get("pgmajfault") is not None:  # thrashing faults here; a busy machine does not
+        rec["majfault_after_ready"] = rec["cgroup"]["pgmajfault"] - ready_faults[0]
     rec["tree_pss_peak"] = {"pss": sampler.peak[0], "anon": sampler.peak[1], "file": sampler.peak[2],
                             "processes_max": sampler.procs_max}
     decode = start_s = None
@@ -798,7 +812,8 @@ def measure(args: argparse.Namespace) -> int:
         lim = "unlimited" if rec.get("limit_bytes") is None else f"{rec['limit_bytes'] / MIB:,.0f} MiB"
         cgs = rec.get("cgroup") or {}
         print(f"  {rec['subject']:>5} @ {lim:>10}: {rec['outcome']:<10} decode {rec.get('decode_tok_s')} tok/s "
-              f"({rec.get('decode_ratio', '-')}), start {rec.get('engine_start_s')} s, cgroup peak "
+              f"({rec.get('decode_ratio', '-')}), start {rec.get('engine_start_s')} s, major faults "
+              f"{(rec.get('cgroup') or {}).get('pgmajfault')} ({rec.get('majfault_after_ready')} after ready), cgroup peak "
               f"{(cgs.get('max_usage_bytes') or 0) / MIB:,.0f} MiB, tree PSS peak "
               f"{(rec.get('tree_pss_peak') or {}).get('pss', 0) / MIB:,.0f} MiB, oom {cgs.get('oom_kill')}, plan "
               f"{(rec.get('plan_at_limit') or {}).get('admitted', '-')}", flush=True)
@@ -870,13 +885,16 @@ def summarize(rows: list[dict]) -> list[dict[str, Any]]:
             plans[key] = r
     run_commit = {r["run_id"]: r["host"]["commit"] for r in plans.values()}
     for r in rows:
-        if r.get("kind") == "plan" or r.get("superseded"):
+        if r.get("kind") == "plan":
             continue
         key = (r["geometry"], r["max_model_len"], run_commit.get(r["run_id"], "?"))
         g = groups.setdefault(key, {"geometry": key[0], "max_model_len": key[1], "commit": key[2], "plan": None,
                                     "subjects": {}})
         g["plan"] = plans.get((r["geometry"], r["max_model_len"], r["run_id"])) or g["plan"]
-        s = g["subjects"].setdefault(r["subject"], {"probes": [], "baselines": []})
+        s = g["subjects"].setdefault(r["subject"], {"probes": [], "baselines": [], "retried": {}})
+        if r.get("superseded"):  # a slow run, rerun: shown beside the run that counted
+            s["retried"].setdefault(r["limit_bytes"], []).append(r.get("decode_ratio"))
+            continue
         (s["baselines"] if r.get("limit_bytes") is None else s["probes"]).append(r)
     for g in groups.values():
         for s in g["subjects"].values():
@@ -937,7 +955,9 @@ def report(paths: list[Path]) -> int:
         for name, s in g["subjects"].items():
             probes = sorted(s["probes"], key=lambda p: -p["limit_bytes"])
             line = ", ".join(f"{fmt_mib(p['limit_bytes'])}: {p['outcome']}"
-                             + (f" {p['decode_ratio']}" if p.get("decode_ratio") is not None else "") for p in probes)
+                             + (f" {p['decode_ratio']}" if p.get("decode_ratio") is not None else "")
+                             + (f" (after slow {', '.join(map(str, s['retried'][p['limit_bytes']]))})"
+                                if p["limit_bytes"] in s["retried"] else "") for p in probes)
             warn = f" [failed above the least limit at {', '.join(map(fmt_mib, s['non_monotone']))}]" if s["non_monotone"] else ""
             print(f"- {g['geometry']} @ {g['max_model_len']}, {name}: {line}{warn}")
     return 0
