@@ -90,6 +90,9 @@ EDGE_STARTING = re.compile(r"^edge: starting \S+ on ")
 EDGE_READY = re.compile(r"^edge: starting \S+ on .* done in ")
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+#: Seconds a session may take to end by itself after the cgroup's OOM killer took one of its processes (plain
+#: vLLM's front end waits on a dead engine for minutes: docs/vllm-cpu-facts.md); then it is killed.
+OOM_GRACE_S = 30.0
 #: cgroup v1 reports "no limit" as a huge page-aligned number.
 UNLIMITED = 1 << 62
 
@@ -467,12 +470,10 @@ class Bisection:
 def classify(rc: int | None, timed_out: bool, refused: bool, oom_kills: int, decode: float | None,
              baseline_decode: float | None, slow_ratio: float = SLOW_RATIO) -> str:
     """A probe's outcome; only ``runs`` counts as running."""
-    if timed_out:
-        return "timeout"
     if refused:
         return "refused"
-    if rc != 0 or decode is None:
-        return "oom_killed" if oom_kills else "failed"
+    if timed_out or rc != 0 or decode is None:  # an OOM kill is the cause even where the session then hung
+        return "oom_killed" if oom_kills else "timeout" if timed_out else "failed"
     if baseline_decode and decode < slow_ratio * baseline_decode:
         return "slow"
     return "runs"
@@ -480,14 +481,19 @@ def classify(rc: int | None, timed_out: bool, refused: bool, oom_kills: int, dec
 
 def least_limits(starts: dict[str, int], run: Callable[[str, int], dict[str, Any]], *, order: list[str],
                  slow_retries: int = 1, ceiling: int | None = None,
-                 write: Callable[[dict[str, Any]], None] = lambda rec: None) -> dict[str, Bisection]:
+                 write: Callable[[dict[str, Any]], None] = lambda rec: None,
+                 seed: dict[str, list[tuple[int, bool]]] | None = None) -> dict[str, Bisection]:
     """Bisect every subject's least limit, one probe each in turn (``order``), from ``starts`` (bytes).
 
     ``run(subject, limit)`` is one probe's record (its ``outcome``); a ``slow`` probe is rerun up to
     ``slow_retries`` times and the better run counts (a busy machine slows a run that is not thrashing).
-    Every record goes to ``write``, the superseded ones marked so.
+    Every record goes to ``write``, the superseded ones marked so. ``seed``: probes an earlier run made.
     """
     bis = {s: Bisection(start=max(starts[s], RESOLUTION), ceiling=ceiling) for s in order}
+    for s, done in (seed or {}).items():
+        for limit, runs in done:
+            if s in bis:
+                bis[s].record(limit, runs)
     while any(not b.done for b in bis.values()):
         for s in order:
             if (limit := bis[s].next()) is None:
@@ -674,12 +680,21 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
                 readers.append(threading.Thread(target=pump, args=(proc.stderr, stderr_lines, on_err), daemon=True))
             for r in readers:
                 r.start()
-            try:
-                proc.wait(timeout=spec["timeout_s"])
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                cg.kill_all()
-                proc.wait()
+            oom_at = None
+            while proc.poll() is None:  # a session that lost a process to the OOM killer is over: say how fast
+                now = time.monotonic() - t0
+                if now > spec["timeout_s"]:
+                    timed_out = True
+                    cg.kill_all()
+                    break
+                if oom_at is None and (cg.stats().get("oom_kill") or 0) > 0:
+                    oom_at = now
+                if oom_at is not None and now - oom_at > OOM_GRACE_S:
+                    rec["killed_after_oom_s"] = round(now - oom_at, 1)  # it had not ended by itself
+                    cg.kill_all()
+                    break
+                time.sleep(0.5)
+            proc.wait()
             for r in readers:
                 r.join(timeout=10)
         if err_sink:
@@ -748,13 +763,41 @@ def host_facts() -> dict[str, Any]:
                             text=True, check=False).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True, check=False).stdout.strip()
+    tree_dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
+                                 *CODE_UNDER_TEST], capture_output=True, text=True, check=False).stdout.strip()
     try:
         cgroup = own_memory_cgroup()
         cg = {"version": cgroup[0], "path": str(cgroup[1])}
     except CgroupError as exc:
         cg = {"error": str(exc)}
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_total_bytes": total, "kernel": platform.release(),
-            "commit": commit + ("+dirty" if dirty else ""), "cgroup": cg}
+            "commit": commit + ("+dirty" if dirty else ""),
+            "edge_tree": (code_tree(commit) or "?") + ("+dirty" if tree_dirty else ""), "cgroup": cg}
+
+
+#: What a figure depends on: edge's code (not this bench's).
+CODE_UNDER_TEST = ("edge_core", "plugins")
+
+
+def code_tree(commit: str) -> str | None:
+    """A short name for the trees of ``CODE_UNDER_TEST`` at ``commit``: runs of the same edge share it."""
+    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", *(f"{commit}:{p}" for p in CODE_UNDER_TEST)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return None
+    import hashlib  # noqa: PLC0415
+
+    return hashlib.sha1(out.stdout.encode()).hexdigest()[:10]
+
+
+def tree_of(plan_row: dict) -> str:
+    host = plan_row.get("host") or {}
+    if host.get("edge_tree"):
+        return host["edge_tree"]
+    commit = host.get("commit", "?")  # a record from before the field: derive it from the commit
+    dirty = commit.endswith("+dirty")
+    tree = code_tree(commit.removesuffix("+dirty"))
+    return (tree + ("+dirty?" if dirty else "")) if tree else commit
 
 
 def edge_plan(edge: str, model: Path, max_model_len: int, edge_args: list[str]) -> dict:
@@ -840,7 +883,14 @@ def measure(args: argparse.Namespace) -> int:
                                 "script": str(script)}
         order = subjects if gi % 2 == 0 else subjects[::-1]
         baselines: dict[str, dict] = {}
+        seed: dict[str, list[tuple[int, bool]]] = {}
+        if args.resume:
+            baselines, seed = earlier(args.results, name, max_model_len, host["edge_tree"])
+            for s, b in baselines.items():
+                print(f"  {s}: resuming from run {b['run_id']} ({len(seed.get(s, []))} probes)", flush=True)
         for s in order:
+            if s in baselines:
+                continue
             rec = run_probe(dict(base, subject=s, limit_bytes=None, timeout_s=args.baseline_timeout), args.lock)
             rec["kind"] = "baseline"
             write(rec)
@@ -859,13 +909,31 @@ def measure(args: argparse.Namespace) -> int:
 
         bis = least_limits({s: b["tree_pss_peak"]["pss"] for s, b in baselines.items()}, run,
                            order=[s for s in order if s in baselines], slow_retries=args.slow_retries,
-                           ceiling=host["mem_total_bytes"], write=log)
+                           ceiling=host["mem_total_bytes"], write=log, seed=seed)
         for s, b in bis.items():
             print(f"  {s}: least limit {fmt_mib(b.hi)} (fails at {fmt_mib(b.lo)})"
                   + (f"; failed above it at {[fmt_mib(x) for x in b.non_monotone]}" if b.non_monotone else ""),
                   flush=True)
     print(f"results: {args.results}")
     return 0
+
+
+def earlier(results: Path, geometry: str, max_model_len: int, edge_tree: str
+            ) -> tuple[dict[str, dict], dict[str, list[tuple[int, bool]]]]:
+    """Baselines and probes already in ``results`` for this geometry and context, at the same edge code."""
+    if not results.exists() or edge_tree.endswith("dirty"):
+        return {}, {}
+    rows = [json.loads(ln) for ln in results.read_text().splitlines() if ln.strip()]
+    runs = {r["run_id"] for r in rows if r.get("kind") == "plan" and r["geometry"] == geometry
+            and r["max_model_len"] == max_model_len and tree_of(r) == edge_tree}
+    mine = [r for r in rows if r.get("run_id") in runs and r.get("kind") in ("baseline", "probe")
+            and r["geometry"] == geometry and r["max_model_len"] == max_model_len and not r.get("superseded")]
+    baselines = {r["subject"]: r for r in mine if r["kind"] == "baseline" and r["outcome"] == "runs"}
+    seed: dict[str, list[tuple[int, bool]]] = {}
+    for r in mine:
+        if r["kind"] == "probe" and r["subject"] in baselines and r["outcome"] != "error":
+            seed.setdefault(r["subject"], []).append((r["limit_bytes"], r["outcome"] == "runs"))
+    return baselines, seed
 
 
 # ---------------------------------------------------------------- the report
@@ -883,7 +951,7 @@ def summarize(rows: list[dict]) -> list[dict[str, Any]]:
         if r.get("kind") == "plan":
             key = (r["geometry"], r["max_model_len"], r["run_id"])
             plans[key] = r
-    run_commit = {r["run_id"]: r["host"]["commit"] for r in plans.values()}
+    run_commit = {r["run_id"]: tree_of(r) for r in plans.values()}
     for r in rows:
         if r.get("kind") == "plan":
             continue
@@ -922,7 +990,7 @@ def summarize(rows: list[dict]) -> list[dict[str, Any]]:
 def report(paths: list[Path]) -> int:
     rows = [json.loads(ln) for p in paths for ln in p.read_text().splitlines() if ln.strip()]
     groups = summarize(rows)
-    print("| geometry | context | commit | plain vLLM least limit (fails at) | edge least limit (fails at) "
+    print("| geometry | context | edge tree | plain vLLM least limit (fails at) | edge least limit (fails at) "
           "| edge admission | admission / edge least | admitted, then failed (MiB) |\n|---|---|---|---|---|---|---|---|")
     for g in groups:
         plain, edge = g["subjects"].get("plain", {}), g["subjects"].get("edge", {})
@@ -982,6 +1050,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--edge-limit-at", choices=("engine", "start"), default="engine",
                     help="apply the limit once edge's plan admitted (engine), or from exec (start)")
     ap.add_argument("--no-plan-at-limit", action="store_true", help="skip `edge plan` under each limit")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the unlimited runs and probes --results already has for a geometry at this edge code")
     ap.add_argument("--edge", default=str(Path(sys.executable).with_name("edge")))
     ap.add_argument("--edge-arg", action="append", default=[], help="a planning flag for edge plan and edge run")
     ap.add_argument("--lock", default="/work/bin/engine-lock" if Path("/work/bin/engine-lock").exists() else "",

@@ -77,7 +77,8 @@ def test_a_failure_above_a_run_is_reported_not_hidden():
     (1, False, False, 1, None, "oom_killed"),
     (1, False, False, 0, None, "failed"),
     (0, False, False, 0, None, "failed"),    # exit 0 without a decode figure is not a run
-    (None, True, False, 2, None, "timeout"),
+    (None, True, False, 0, None, "timeout"),
+    (None, True, False, 2, None, "oom_killed"),  # plain vLLM's front end hangs on an OOM-killed worker
     (2, False, True, 0, None, "refused"),
 ])
 def test_outcome(rc, timed_out, refused, oom, decode, outcome):
@@ -273,3 +274,24 @@ def test_summary_reads_the_least_limit_its_bracket_and_admitted_failures():
     assert g["refused_but_ran"] == [3712 * MIB]
     assert g["commit"] == "abc" and g["plan"]["admission_bytes"] == 7107 * MIB
     assert edge["baseline_decode"] == 4.4 and edge["tree_pss_peak"] == 4300 * MIB
+
+
+def test_resume_reads_the_same_edge_code_only(tmp_path):
+    results = tmp_path / "r.jsonl"
+    base = {"kind": "baseline", "outcome": "runs", "decode_tok_s": 16.0, "wall_s": 60,
+            "tree_pss_peak": {"pss": 1945 * MIB}}
+    rows = [
+        {"kind": "plan", "geometry": "g", "max_model_len": 4096, "run_id": "a", "host": {"edge_tree": "t1"}},
+        {"kind": "plan", "geometry": "g", "max_model_len": 4096, "run_id": "b", "host": {"edge_tree": "t2"}},
+        rec("edge", None, run_id="a", **base), rec("edge", 2048 * MIB, "runs", run_id="a"),
+        rec("edge", 1792 * MIB, "slow", run_id="a", superseded=True), rec("edge", 1792 * MIB, "runs", run_id="a"),
+        rec("edge", 1536 * MIB, "oom_killed", run_id="a"), rec("edge", 1664 * MIB, "error", run_id="a"),
+        rec("edge", 1024 * MIB, "oom_killed", run_id="b"),
+        rec("plain", 2176 * MIB, "runs", run_id="a"),  # no baseline for plain: its probes start over
+    ]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    baselines, seed = mm.earlier(results, "g", 4096, "t1")
+    assert list(baselines) == ["edge"]
+    assert sorted(seed["edge"]) == [(1536 * MIB, False), (1792 * MIB, True), (2048 * MIB, True)]
+    assert mm.earlier(results, "g", 8192, "t1") == ({}, {})
+    assert mm.earlier(results, "g", 4096, "t1+dirty") == ({}, {})
