@@ -398,12 +398,13 @@ class Bisection:
     """The least limit on a ``resolution`` grid that runs, assuming more memory never hurts.
 
     Starts at ``start``; from there steps down (or up) by ``step``, doubling, until a failing limit lies
-    below a running one, then halves that interval until it is one grid step wide.
+    below a running one, then halves that interval until it is one grid step wide. A start near the answer
+    (the unlimited run's steady state) brackets it in two or three probes.
     """
 
     start: int
     resolution: int = RESOLUTION
-    step: int = 4 * RESOLUTION
+    step: int = 2 * RESOLUTION
     ceiling: int | None = None
     results: dict[int, bool] = field(default_factory=dict)
     _down: int = 0
@@ -571,6 +572,8 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
         self.peak = (0, 0, 0)
         self.procs_max = 0
+        self.ready = threading.Event()  # set once the engine is ready: what follows is the steady state
+        self.ready_peak = 0
 
     def run(self) -> None:
         while not self.stop.wait(self.period):
@@ -579,6 +582,8 @@ class Sampler(threading.Thread):
             sample = _tree_pss(pids)
             if sample[0] > self.peak[0]:
                 self.peak = sample
+            if self.ready.is_set():
+                self.ready_peak = max(self.ready_peak, sample[0])
 
 
 def plan_at(edge: str, model: Path, max_model_len: int, edge_args: list[str], parent: tuple[int, Path],
@@ -659,6 +664,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
 
             def ready() -> None:  # major faults from here on are the decode's (and the stop's)
                 ready_faults.append(cg.stats().get("pgmajfault") or 0)
+                sampler.ready.set()
 
             def on_out(line: str) -> None:
                 if line.startswith("PHASE loaded"):
@@ -711,6 +717,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     if ready_faults and rec["cgroup"].get("pgmajfault") is not None:  # thrashing faults here; a busy machine does not
         rec["majfault_after_ready"] = rec["cgroup"]["pgmajfault"] - ready_faults[0]
     rec["tree_pss_peak"] = {"pss": sampler.peak[0], "anon": sampler.peak[1], "file": sampler.peak[2],
+                            "after_ready": sampler.ready_peak or None,
                             "processes_max": sampler.procs_max}
     decode = start_s = None
     refused = False
@@ -907,7 +914,10 @@ def measure(args: argparse.Namespace) -> int:
             write(rec)
             show(rec)
 
-        bis = least_limits({s: b["tree_pss_peak"]["pss"] for s, b in baselines.items()}, run,
+        # The steady state (after the engine is ready) is near the least limit; the load's peak is mostly file
+        # pages the kernel can take back.
+        starts = {s: b["tree_pss_peak"].get("after_ready") or b["tree_pss_peak"]["pss"] for s, b in baselines.items()}
+        bis = least_limits(starts, run,
                            order=[s for s in order if s in baselines], slow_retries=args.slow_retries,
                            ceiling=host["mem_total_bytes"], write=log, seed=seed)
         for s, b in bis.items():

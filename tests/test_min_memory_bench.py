@@ -51,11 +51,14 @@ def test_bisection_finds_the_least_grid_limit_at_or_above_the_need(need, start):
     assert len(tried) <= 2 * math.ceil(math.log2(gap + 4)) + 3
 
 
-def test_bisection_from_the_unlimited_peak_costs_few_probes():
-    # issue 36's reference: edge's engine ran under 3,840 MiB and died at 3,584; its tree-PSS peak was ~4.3 GiB
+def test_bisection_from_the_steady_state_costs_few_probes():
+    # issue 36's reference: edge's engine ran under 3,840 MiB and died at 3,584; steady state ~4.3 GiB
     b, tried = bisect(need=3700 * MIB, start=4300 * MIB)
     assert (b.hi, b.lo) == (3712 * MIB, 3584 * MIB)
-    assert [t // MIB for t in tried] == [4352, 3840, 2816, 3328, 3584, 3712]
+    assert [t // MIB for t in tried] == [4352, 4096, 3584, 3840, 3712]
+    b, tried = bisect(need=3700 * MIB, start=3500 * MIB)  # a start below the need steps up
+    assert (b.hi, b.lo) == (3712 * MIB, 3584 * MIB)
+    assert [t // MIB for t in tried] == [3584, 3840, 3712]
 
 
 def test_bisection_gives_up_at_the_ceiling():
