@@ -433,8 +433,9 @@ class Bisection:
     def next(self) -> int | None:
         """The next limit to try, or None when done (bracketed to the resolution, or nothing left to try)."""
         hi, lo = self.hi, self.lo
-        if not self.results:
-            return self.grid(self.start)
+        start = self.grid(self.start)
+        if start not in self.results and (hi is None or start < hi) and (lo is None or start > lo):
+            return start  # first, or after probes an earlier run made (--resume)
         if hi is not None and lo is not None:
             if hi - lo <= self.resolution:
                 return None
@@ -916,7 +917,10 @@ def measure(args: argparse.Namespace) -> int:
 
         # The steady state (after the engine is ready) is near the least limit; the load's peak is mostly file
         # pages the kernel can take back.
-        starts = {s: b["tree_pss_peak"].get("after_ready") or b["tree_pss_peak"]["pss"] for s, b in baselines.items()}
+        # (A resumed baseline from before that figure: the plan's steady state.)
+        steady = (summary.get("peak") or {}).get("steady_state_bytes")
+        starts = {s: b["tree_pss_peak"].get("after_ready") or steady or b["tree_pss_peak"]["pss"]
+                  for s, b in baselines.items()}
         bis = least_limits(starts, run,
                            order=[s for s in order if s in baselines], slow_retries=args.slow_retries,
                            ceiling=host["mem_total_bytes"], write=log, seed=seed)

@@ -61,6 +61,14 @@ def test_bisection_from_the_steady_state_costs_few_probes():
     assert [t // MIB for t in tried] == [3584, 3840, 3712]
 
 
+def test_a_resumed_bisection_tries_its_start_before_stepping_down_from_what_ran():
+    b = mm.Bisection(start=4312 * MIB)
+    b.record(6144 * MIB, True)  # an earlier run's probe from the unlimited peak
+    assert b.next() == 4352 * MIB
+    b.record(4352 * MIB, True)
+    assert b.next() == 4096 * MIB
+
+
 def test_bisection_gives_up_at_the_ceiling():
     b, tried = bisect(need=10 << 30, start=2 << 30, ceiling=4 << 30)
     assert b.hi is None and b.lo == 4 << 30 and tried[-1] == 4 << 30
