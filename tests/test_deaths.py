@@ -650,6 +650,8 @@ def titles_of(pid: int) -> dict[int, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_an_engine_oom_killed_under_a_cgroup_limit_is_named_oom_with_the_process_and_the_limit(tmp_path, version):
+    # vLLM's worker in a process of its own (--distributed-executor-backend mp: one rank's default is edge's own
+    # process, whose OOM kill ends edge itself, with nothing left to name it; see docs/vllm-cpu-facts.md).
     # The plan admits at the cgroup's limit (unlimited when edge plans), then the limit is lowered to what the
     # cgroup holds and cannot reclaim plus a margin once the worker is up: loading goes on past it (the weights
     # alone are 257 MiB) and the kernel kills the worker.
@@ -675,7 +677,7 @@ def test_an_engine_oom_killed_under_a_cgroup_limit_is_named_oom_with_the_process
         env = {**os.environ, "TMPDIR": str(tmp_path), "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
         proc = subprocess.Popen(
             [sys.executable, "-m", "edge_core", "run", "--model", str(SMOLLM2), "--max-model-len", "2048",
-             "--max-tokens", "8", "--prompt", "Hi"],
+             "--max-tokens", "8", "--prompt", "Hi", "--distributed-executor-backend", "mp"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=env,
             preexec_fn=enter)
         deadline = time.monotonic() + 600

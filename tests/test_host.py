@@ -6,7 +6,7 @@ import pytest
 from fakes import GIB, V1_UNLIMITED, write_cgroup_tree
 
 from edge_core.artifact.demo import DEMO_MODEL
-from edge_core.host import format_cpulist, parse_cpuinfo, parse_meminfo, read_host
+from edge_core.host import HostFacts, format_cpulist, parse_cpuinfo, parse_meminfo, read_host
 
 
 def test_reads_memory_cores_and_flags_from_the_tree(host_tree):
@@ -150,15 +150,33 @@ def test_a_refusal_under_a_cgroup_limit_names_it_and_its_path(host_tree):
 
     root = write_cgroup_tree(host_tree(mem_total=24 * GIB, mem_available=23 * GIB), 1, "/process_api/abc", {
         "/": {"limit": V1_UNLIMITED}, "/process_api": {"limit": V1_UNLIMITED},
-        "/process_api/abc": {"limit": 200 * MIB, "usage": 16 * MIB}})
+        "/process_api/abc": {"limit": 32 * MIB, "usage": 16 * MIB}})
     cpu = Device(device_id="cpu", kind="cpu", vendor="x", name="x", backend="vllm:cpu", runnable=True,
                  memory_pool="host_ram", memory_bytes=24 * GIB, weight_formats=("dense",), evidence={"found": "D"},
                  extras={"kv_block_size": 128})
     plan = make_plan(str(DEMO_MODEL), session=SessionSpec(), devices=[cpu], host=read_host(root),
                      registry=None)
     [refusal] = plan.refusals
-    assert refusal.code == "budget_exceeds_device" and refusal.details["capacity_bytes"] == 184 * MIB
-    assert "cgroup memory limit 200 MiB of v1:/process_api/abc" in refusal.message
+    # tiny-llama without a backend: 17 MiB held (KV, activations, weights) + 5%; no external reserve, the host's
+    # 23 GiB available lying beyond the cgroup's 16 MiB of room.
+    assert refusal.code == "budget_exceeds_device" and refusal.details["capacity_bytes"] == 16 * MIB
+    assert "cgroup memory limit 32 MiB of v1:/process_api/abc" in refusal.message
+
+
+@pytest.mark.parametrize(("available", "room", "reserve"), [
+    (23 * GIB, 2 * GIB, 0),  # the cgroup binds, the host has far more: others grow outside its room first
+    (2 * GIB + 100 * MIB, 2 * GIB, 412 * MIB),  # 100 MiB beyond the room: the rest of the 512 MiB is kept
+    (2 * GIB, 3 * GIB, 512 * MIB),  # host RAM binds, not the cgroup: the whole reserve
+])
+def test_the_external_reserve_is_what_host_ram_beyond_a_binding_cgroup_does_not_already_leave(
+        available, room, reserve):
+    from edge_core.plan.terms import HOST_EXTERNAL_RESERVE_BYTES, host_reserve_bytes
+
+    host = HostFacts(system="linux", mem_total_bytes=24 * GIB, mem_available_bytes=available,
+                     cgroup_limit_bytes=room + 64 * MIB, cgroup_usage_bytes=64 * MIB, logical_cores=2,
+                     physical_cores=2, cpu_model="x", machine="x86_64")
+    assert HOST_EXTERNAL_RESERVE_BYTES == 512 * MIB
+    assert host_reserve_bytes(host)[0] == reserve
 
 
 # ---------------------------------------------------------------- the same, under a real cgroup on this host
@@ -194,7 +212,7 @@ def test_under_a_real_nested_limit_edge_refuses_before_loading(command):
     pytest.importorskip("edge_cpu", reason="the CPU backend's device reads the cgroup limit; edge-cpu is not "
                                            "installed in this interpreter")
 
-    limit = 1000 * MIB  # below the demo session's ~2.2 GiB admission
+    limit = 400 * MIB  # below the runtime alone (vLLM and torch in one process: ~634 MiB), let alone tiny-llama
     child = _child_cgroup(limit)
     try:
         # The child enters the cgroup itself, then becomes edge: everything edge reads is its own cgroup's.
@@ -207,6 +225,6 @@ def test_under_a_real_nested_limit_edge_refuses_before_loading(command):
         child.rmdir()
     assert proc.returncode == 2, proc.stdout + proc.stderr
     path = "v1:" + "/" + str(child.relative_to("/sys/fs/cgroup/memory"))
-    assert f"cgroup memory limit 1,000 MiB of {path}" in proc.stdout, proc.stdout
+    assert f"cgroup memory limit 400 MiB of {path}" in proc.stdout, proc.stdout
     assert "nothing loaded" in proc.stdout or command == "run"
     assert "loading" not in proc.stderr  # refused before any engine start

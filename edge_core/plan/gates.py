@@ -120,7 +120,7 @@ def backend_budget(owner: Owner, terms: list[Reservation], *, manifest: Manifest
         terms += owner.call("reserve_memory", manifest=manifest, session=session, host=host, share=share) or []
         gated = owner.call("gate_plan", manifest=manifest, session=session, host=host, reservations=terms,
                            share=share) or []
-    terms = terms + headroom_reservations(device, combine(terms, device.memory_pool).held_bytes)
+    terms = terms + headroom_reservations(device, combine(terms, device.memory_pool).held_bytes, host)
     capacity, how = capacity_of(device, host, devices)
     return Budget(tuple(terms), combine(terms, device.memory_pool), capacity, how, tuple(gated))
 

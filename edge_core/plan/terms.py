@@ -14,6 +14,7 @@ from ..kv import POOL_SOURCES
 
 if TYPE_CHECKING:
     from ..devices import Device
+    from ..host import HostFacts
     from ..kv import KVEstimate
     from ..layout import DeviceShare
     from ..manifest import Manifest
@@ -21,7 +22,10 @@ if TYPE_CHECKING:
 
 #: Host RAM kept free for everything that is not this session (the OS, a
 #: desktop, other processes growing). Host capacity is already *available*
-#: memory, so this only covers growth while the session runs. Evidence E.
+#: memory, so this only covers growth while the session runs; where a memory
+#: cgroup limit binds instead, the host RAM it leaves beyond the session's
+#: room is that room already, and only the rest is reserved
+#: (:func:`host_reserve_bytes`). Evidence E.
 HOST_EXTERNAL_RESERVE_BYTES = 512 << 20
 #: VRAM kept free beside the session: capacity is the card's total, and a
 #: display server or another process may hold a few hundred MiB. Evidence E.
@@ -88,13 +92,36 @@ def kv_note(kv: KVEstimate) -> str:
     return f"one shared pool, {blocks}{POOL_SOURCES[pool.source]}: it {pool.guarantee()}; {what}"
 
 
-def headroom_reservations(device: Device, held_bytes: int) -> list[Reservation]:
+def host_reserve_bytes(host: HostFacts | None) -> tuple[int, str]:
+    """The host-RAM reserve for what is not this session, and why that much.
+
+    Other processes' growth can take a session's room only through host RAM.
+    Under a memory cgroup whose limit binds (its room is less than the host's
+    available RAM), the host RAM beyond that room is already free for them:
+    only what of :data:`HOST_EXTERNAL_RESERVE_BYTES` it does not cover is kept.
+    """
+    note = "kept free for the OS and other processes; not forecast as usage"
+    if host is None:
+        return HOST_EXTERNAL_RESERVE_BYTES, note
+    beyond = max(host.mem_available_bytes - host.usable_bytes, 0)
+    if not beyond:
+        return HOST_EXTERNAL_RESERVE_BYTES, note
+    reserve = max(HOST_EXTERNAL_RESERVE_BYTES - beyond, 0)
+    return reserve, (f"{HOST_EXTERNAL_RESERVE_BYTES >> 20} MiB kept free for the OS and other processes, less the "
+                     f"{beyond / 2**20:,.0f} MiB of available host RAM beyond the cgroup limit's room, which they "
+                     "grow into first; not forecast as usage")
+
+
+def headroom_reservations(device: Device, held_bytes: int, host: HostFacts | None = None) -> list[Reservation]:
     """The external reserve and the safety margin on the held peak: kept free at admission, never forecast as usage."""
     pool = device.memory_pool
-    reserve = HOST_EXTERNAL_RESERVE_BYTES if pool == "host_ram" else VRAM_EXTERNAL_RESERVE_BYTES
+    if pool == "host_ram":
+        reserve, note = host_reserve_bytes(host)
+    else:
+        reserve, note = VRAM_EXTERNAL_RESERVE_BYTES, "kept free for the OS and other processes; not forecast as usage"
     return [
         Reservation(purpose="external_reserve", bytes=reserve, pool=pool, lifetime="session", evidence="E",
-                    headroom=True, note="kept free for the OS and other processes; not forecast as usage"),
+                    headroom=True, note=note),
         Reservation(purpose="safety_margin", bytes=int(held_bytes * SAFETY_MARGIN_FRACTION), pool=pool,
                     lifetime="session", evidence="E", headroom=True,
                     note=f"{SAFETY_MARGIN_FRACTION:.0%} of the held peak; sampled peaks are lower bounds"),
