@@ -995,6 +995,11 @@ def summarize(rows: list[dict]) -> list[dict[str, Any]]:
                                            if (p.get("plan_at_limit") or {}).get("admitted") and p["outcome"] != "runs"})
         g["refused_but_ran"] = sorted({p["limit_bytes"] for p in edge.get("probes", [])
                                        if (p.get("plan_at_limit") or {}).get("admitted") is False and p["outcome"] == "runs"})
+        # What edge admits against under the least limit its session runs under (its plan inside that cgroup: no
+        # external reserve where the host has room beyond it), else the unlimited plan's figure.
+        at_least = [(p.get("plan_at_limit") or {}).get("admission_bytes") for p in edge.get("probes", [])
+                    if p["limit_bytes"] == edge.get("least") and p["outcome"] == "runs"]
+        g["admission_at_least"] = next((a for a in at_least if isinstance(a, int)), None)
     return list(groups.values())
 
 
@@ -1002,11 +1007,13 @@ def report(paths: list[Path]) -> int:
     rows = [json.loads(ln) for p in paths for ln in p.read_text().splitlines() if ln.strip()]
     groups = summarize(rows)
     print("| geometry | context | edge tree | plain vLLM least limit (fails at) | edge least limit (fails at) "
-          "| edge admission | admission / edge least | admitted, then failed (MiB) |\n|---|---|---|---|---|---|---|---|")
+          "| edge admission there (unlimited) | admission / edge least | admitted, then failed | refused, yet ran "
+          "|\n|---|---|---|---|---|---|---|---|---|")
     for g in groups:
         plain, edge = g["subjects"].get("plain", {}), g["subjects"].get("edge", {})
-        adm = (g["plan"] or {}).get("admission_bytes")
-        ratio = f"**{adm / edge['least']:.2f}**" if adm and edge.get("least") else "-"
+        unlimited = (g["plan"] or {}).get("admission_bytes")
+        adm = g.get("admission_at_least") or unlimited
+        ratio = f"**{adm / edge['least']:.3f}**" if adm and edge.get("least") else "-"
 
         def cell(s: dict) -> str:
             if not s:
@@ -1014,8 +1021,9 @@ def report(paths: list[Path]) -> int:
             return f"{fmt_mib(s.get('least'))} MiB ({fmt_mib(s.get('fails_at'))}: {s.get('fails_how') or '-'})"
 
         bad = ", ".join(fmt_mib(x) for x in g["admitted_but_failed"]) or "none"
+        false_no = ", ".join(fmt_mib(x) for x in g["refused_but_ran"]) or "none"
         print(f"| {g['geometry']} | {g['max_model_len']} | {g['commit']} | {cell(plain)} | {cell(edge)} "
-              f"| {fmt_mib(adm)} MiB | {ratio} | {bad} |")
+              f"| {fmt_mib(adm)} MiB ({fmt_mib(unlimited)}) | {ratio} | {bad} | {false_no} |")
     print("\nUnlimited runs and the plan's terms (MiB; decode tok/s):\n")
     print("| geometry | context | subject | decode | tree-PSS peak | cgroup peak | least limit | "
           + " | ".join(TERMS) + " | load path | steady | admission |\n|" + "---|" * (10 + len(TERMS)))
