@@ -133,7 +133,8 @@ def converse(chat: ChatSession) -> None:
         try:
             turn, report = chat.ask(question, show)
         except ContextFull as exc:
-            say(f"edge: {exc}: /clear starts over (or restart with a larger --max-model-len)")
+            say(f"edge: {exc}: /clear starts over (or restart with a larger --max-model-len, or --max-model-len auto: "
+                "the longest context that fits)")
             continue
         out.write("\n" if not turn.answer.endswith("\n") else "")
         if report is not None:
