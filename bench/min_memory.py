@@ -600,8 +600,11 @@ def plan_at(edge: str, model: Path, max_model_len: int, edge_args: list[str], pa
         plan = json.loads(out.stdout)
     except json.JSONDecodeError:
         return {"rc": out.returncode, "error": out.stderr.strip()[-500:]}
+    # A refused plan states no peak; its capacity refusal says what it needed (the same admission figure).
+    needed = next((r.get("details", {}).get("needed_bytes") for r in plan.get("refusals") or []
+                   if isinstance(r.get("details", {}).get("needed_bytes"), int)), None)
     return {"rc": out.returncode, "admitted": plan.get("admitted"), "capacity_bytes": plan.get("capacity_bytes"),
-            "admission_bytes": admission_of(plan),
+            "admission_bytes": admission_of(plan) or needed,
             "refusals": [r.get("code") or r.get("reason") for r in plan.get("refusals") or []]}
 
 
@@ -963,8 +966,9 @@ def summarize(rows: list[dict]) -> list[dict[str, Any]]:
             key = (r["geometry"], r["max_model_len"], r["run_id"])
             plans[key] = r
     run_commit = {r["run_id"]: tree_of(r) for r in plans.values()}
+    replans = [r for r in rows if r.get("kind") == "replan"]
     for r in rows:
-        if r.get("kind") == "plan":
+        if r.get("kind") in ("plan", "replan"):
             continue
         key = (r["geometry"], r["max_model_len"], run_commit.get(r["run_id"], "?"))
         g = groups.setdefault(key, {"geometry": key[0], "max_model_len": key[1], "commit": key[2], "plan": None,
@@ -999,8 +1003,31 @@ def summarize(rows: list[dict]) -> list[dict[str, Any]]:
         # external reserve where the host has room beyond it), else the unlimited plan's figure.
         at_least = [(p.get("plan_at_limit") or {}).get("admission_bytes") for p in edge.get("probes", [])
                     if p["limit_bytes"] == edge.get("least") and p["outcome"] == "runs"]
+        at_least += [r["plan_at_limit"].get("admission_bytes") for r in replans
+                     if (r["geometry"], r["max_model_len"], r["tree"]) == (g["geometry"], g["max_model_len"], g["commit"])
+                     and r["limit_bytes"] == edge.get("least")]
         g["admission_at_least"] = next((a for a in at_least if isinstance(a, int)), None)
     return list(groups.values())
+
+
+def replan(results: Path, edge: str) -> int:
+    """For each (geometry, context, code tree) of ``results``: ``edge plan`` under edge's least limit, appended."""
+    rows = [json.loads(ln) for ln in results.read_text().splitlines() if ln.strip()]
+    plans = {(r["geometry"], r["max_model_len"], tree_of(r)): r for r in rows if r.get("kind") == "plan"}
+    parent = own_memory_cgroup()
+    with results.open("a") as out:
+        for g in summarize(rows):
+            least = g["subjects"].get("edge", {}).get("least")
+            plan = plans.get((g["geometry"], g["max_model_len"], g["commit"]))
+            if least is None or plan is None:
+                continue
+            verdict = plan_at(edge, Path(plan["model"]), g["max_model_len"], [], parent, f"replan-{os.getpid()}",
+                              least)
+            row = {"kind": "replan", "geometry": g["geometry"], "max_model_len": g["max_model_len"],
+                   "tree": g["commit"], "limit_bytes": least, "plan_at_limit": verdict}
+            print(json.dumps(row), flush=True)
+            out.write(json.dumps(row) + "\n")
+    return 0
 
 
 def report(paths: list[Path]) -> int:
@@ -1076,6 +1103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lock", default="/work/bin/engine-lock" if Path("/work/bin/engine-lock").exists() else "",
                     help="the engine lock each probe runs under ('' for none)")
     ap.add_argument("--report", type=Path, nargs="+", help="print the table of these JSONL files and exit")
+    ap.add_argument("--replan", type=Path, metavar="RESULTS",
+                    help="plan each geometry of RESULTS inside a cgroup at edge's least limit there (with this "
+                    "edge), append the verdicts, and exit: the admission the table divides, where no probe's plan "
+                    "recorded it")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--plain-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -1087,6 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report:
         return report(args.report)
+    if args.replan:
+        return replan(args.replan, args.edge)
     args.edge_arg = [a for arg in args.edge_arg for a in arg.split()]
     args.results = args.results or args.out / "results" / "min_memory.jsonl"
     return measure(args)
