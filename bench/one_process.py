@@ -3,7 +3,7 @@
 One checkpoint, one prompt, greedy with ``ignore_eos``. Each pair runs two
 commands one after the other, in alternating order (odd pairs edge first):
 
-* edge: ``edge run --model M --max-model-len L --prompt P --max-tokens N --ignore-eos``
+* edge: ``edge run --model M --max-model-len L --prompt P --max-tokens N --ignore-eos --raw``
   exactly as a person runs it (text mode, the plan printed, then the tokens
   streamed to stdout);
 * plain: this script as a child, which applies edge's runtime environment
@@ -152,8 +152,9 @@ def watched(cmd: list[str], env: dict, first_after: str | None) -> dict:
 
 
 def run_edge(args: argparse.Namespace) -> dict:
+    # --raw: the prompt as it is, as the plain child sends it (edge run's default is the model's chat template).
     cmd = [args.edge, "run", "--model", args.model, "--max-model-len", str(args.max_model_len), "--prompt",
-           args.prompt, "--max-tokens", str(args.max_tokens), "--ignore-eos", *args.edge_arg]
+           args.prompt, "--max-tokens", str(args.max_tokens), "--ignore-eos", "--raw", *args.edge_arg]
     found = watched(cmd, dict(os.environ), first_after="nothing loaded\n\n")  # the plan's last line, then a blank
     match = SUMMARY.search(found["stdout"])
     if match is None:
@@ -179,8 +180,8 @@ def run_plain(args: argparse.Namespace, plan: dict) -> dict:
 
 def edge_ids(args: argparse.Namespace) -> list[int]:
     out = subprocess.run([args.edge, "run", "--model", args.model, "--max-model-len", str(args.max_model_len),
-                          "--prompt", args.prompt, "--max-tokens", str(args.max_tokens), "--ignore-eos",
-                          *args.edge_arg, "--json", "-"], capture_output=True, text=True, check=True)
+                          "--prompt", args.prompt, "--max-tokens", str(args.max_tokens), "--ignore-eos", "--raw",
+                          *args.edge_arg, "--json"], capture_output=True, text=True, check=True)
     return list(json.loads(out.stdout)["token_ids"])
 
 
