@@ -390,4 +390,6 @@ def test_the_tree_is_measured_with_and_without_its_file_pages():
     text = Path(f"/proc/{os.getpid()}/smaps_rollup").read_text() if Path("/proc/self/smaps_rollup").exists() else ""
     if "Pss_File:" not in text:
         pytest.skip("this kernel's smaps_rollup has no Pss_File line")
-    assert 0 < held < pss and pss == hl.tree_pss_bytes(os.getpid(), [])
+    # The same tree PSS as tree_pss_bytes, read a moment later: shared pages' shares move as other processes
+    # (the other xdist worker) map and unmap them, by kilobytes, so the two readings agree within 1%.
+    assert 0 < held < pss and abs(pss - hl.tree_pss_bytes(os.getpid(), [])) <= pss // 100

@@ -571,10 +571,12 @@ class EngineDeaths:
     cgroup_after: CgroupMemory | None
     #: Why the kernel log could not be read (None: it was).
     kernel_log_unreadable: str | None
-    #: The plan's admission, predicted peak and headroom, in bytes (None without a plan).
+    #: The plan's admission, predicted peak, held peak (what admission adds the headroom to) and headroom, in bytes
+    #: (None without a plan).
     admission_bytes: int | None = None
     predicted_bytes: int | None = None
     headroom_bytes: int | None = None
+    held_bytes: int | None = None
     at_s: float = field(default_factory=time.monotonic)
 
     def __bool__(self) -> bool:
@@ -709,7 +711,7 @@ class EngineDeaths:
                        "what fits")
             if self.admission_bytes is None or limit is None:
                 return f"remedy: raise the memory limit or plan a smaller session: {smaller}"
-            admitted = (f"the plan admitted {mib(self.admission_bytes)} (predicted peak {mib(self.predicted_bytes)} "
+            admitted = (f"the plan admitted {mib(self.admission_bytes)} (held peak {mib(self.held_bytes)} "
                         f"+ headroom {mib(self.headroom_bytes)})")
             if self.admission_bytes > limit:
                 return (f"remedy: {admitted}, more than this limit of {mib(limit)}: raise the cgroup's memory limit to "
@@ -737,6 +739,7 @@ class EngineDeaths:
             "kernel_log_unreadable": self.kernel_log_unreadable,
             "admission_bytes": self.admission_bytes,
             "predicted_bytes": self.predicted_bytes,
+            "held_bytes": self.held_bytes,
         }
 
 
@@ -827,7 +830,8 @@ class DeathWatch:
             kernel_log_unreadable=self.kernel_log.unreadable if self.kernel_log is not None else None,
             admission_bytes=peak.admission_bytes if peak is not None else None,
             predicted_bytes=peak.predicted_bytes if peak is not None else None,
-            headroom_bytes=peak.headroom_bytes if peak is not None else None, at_s=now)
+            headroom_bytes=peak.headroom_bytes if peak is not None else None,
+            held_bytes=peak.held_bytes if peak is not None else None, at_s=now)
 
     @staticmethod
     def _counts(found: Exit, title: str | None, kills: Mapping[int, KernelKill]) -> bool:

@@ -344,13 +344,14 @@ class ProcessTreeSampler:
         return sample
 
     def _remember(self, sample: Sample, rss_of: dict[int, int]) -> None:
-        """Update each process's :class:`SeenProcess`; its title is re-read until it has one with ``::``
-        (vLLM titles its processes a moment after they start)."""
+        """Update each process's :class:`SeenProcess`, its title re-read at every sample (vLLM titles its
+        processes a moment after they start)."""
         new = []
         for pid, pss in sample.process_pss_bytes:
             title = self._titles.get(pid)
-            if title is None or "::" not in title:
-                title = self._titles[pid] = read_title(pid, self.proc_root) or title
+            # Read at every sample: a spawned process can show its parent's title (VLLM::EngineCore) before it
+            # sets its own (VLLM::Worker), and a death names the last.
+            title = self._titles[pid] = read_title(pid, self.proc_root) or title
             with self._cond:
                 before = self._seen.get(pid)
                 self._seen[pid] = SeenProcess(
