@@ -87,15 +87,20 @@ def qwen3_tensors(c: dict) -> dict[str, list[int]]:
     return t
 
 
-def write_header_only(path: Path, tensors: dict[str, list[int]]) -> int:
-    """A valid BF16 safetensors file whose data section is a hole (as tests/factories.py writes)."""
+def bf16_header(tensors: dict[str, list[int]]) -> tuple[bytes, int]:
+    """A BF16 safetensors file's header (padded to 8 bytes) for ``tensors`` in order, and its data section's bytes."""
     header, off = {}, 0
     for name, shape in tensors.items():
         n = 2 * math.prod(shape)
         header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    return raw + b" " * (-len(raw) % 8), off
+
+
+def write_header_only(path: Path, tensors: dict[str, list[int]]) -> int:
+    """A valid BF16 safetensors file whose data section is a hole (as tests/factories.py writes)."""
+    raw, off = bf16_header(tensors)
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)

@@ -124,13 +124,10 @@ def write_random_bf16(path: Path, tensors: dict[str, list[int]], seed: int = 0, 
     """
     import numpy as np  # noqa: PLC0415 - only the writer needs it
 
-    header, off = {}, 0
-    for name, shape in tensors.items():
-        n = 2 * math.prod(shape)
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
-        off += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    sys.path.insert(0, str(HERE))
+    from budget_by_size import bf16_header  # noqa: PLC0415 - bench modules, not a package
+
+    raw, off = bf16_header(tensors)
     rng = np.random.default_rng(seed)
     tmp = path.with_suffix(".partial")
     with open(tmp, "wb") as f:

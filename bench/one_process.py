@@ -44,6 +44,9 @@ from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_vs_vllm import tree_pss  # noqa: E402 - one tree-PSS reading for both benchmarks
+
 MIB = 1 << 20
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 #: edge run's summary line: "tokens    128 (...); engine start 3.1 s, first token 0.041 s, decode 27.3 tok/s".
@@ -96,21 +99,6 @@ def child(kwargs: dict, layout_env: dict, prompt: str, max_tokens: int) -> None:
 
 
 # ---------------------------------------------------------------- from outside
-
-
-def tree_pss(root: psutil.Process) -> int:
-    total = 0
-    try:
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    for p in procs:
-        try:
-            with open(f"/proc/{p.pid}/smaps_rollup") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-        except (OSError, StopIteration):
-            pass
-    return total
 
 
 def watched(cmd: list[str], env: dict, first_after: str | None) -> dict:
