@@ -998,11 +998,16 @@ def summarize(rows: list[dict]) -> list[dict[str, Any]]:
                                        if (p.get("plan_at_limit") or {}).get("admitted") is False and p["outcome"] == "runs"})
         # What edge admits against under the least limit its session runs under (its plan inside that cgroup: no
         # external reserve where the host has room beyond it), else the unlimited plan's figure.
-        at_least = [(p.get("plan_at_limit") or {}).get("admission_bytes") for p in edge.get("probes", [])
-                    if p["limit_bytes"] == edge.get("least") and p["outcome"] == "runs"]
-        at_least += [r["plan_at_limit"].get("admission_bytes") for r in replans
-                     if (r["geometry"], r["max_model_len"], r["tree"]) == (g["geometry"], g["max_model_len"], g["commit"])
-                     and r["limit_bytes"] == edge.get("least")]
+        # The newest --replan first (it may be of a re-fitted plan: its row names the code tree that planned), then
+        # the plan each probe recorded.
+        at_least = [r["plan_at_limit"].get("admission_bytes") for r in reversed(replans)
+                    if (r["geometry"], r["max_model_len"], r["tree"]) == (g["geometry"], g["max_model_len"], g["commit"])
+                    and r["limit_bytes"] == edge.get("least")]
+        at_least += [(p.get("plan_at_limit") or {}).get("admission_bytes") for p in edge.get("probes", [])
+                     if p["limit_bytes"] == edge.get("least") and p["outcome"] == "runs"]
+        g["replanned_by"] = next((r.get("planned_by") for r in reversed(replans)
+                                  if (r["geometry"], r["max_model_len"], r["tree"])
+                                  == (g["geometry"], g["max_model_len"], g["commit"])), None)
         g["admission_at_least"] = next((a for a in at_least if isinstance(a, int)), None)
     return list(groups.values())
 
@@ -1012,6 +1017,7 @@ def replan(results: Path, edge: str) -> int:
     rows = [json.loads(ln) for ln in results.read_text().splitlines() if ln.strip()]
     plans = {(r["geometry"], r["max_model_len"], tree_of(r)): r for r in rows if r.get("kind") == "plan"}
     parent = own_memory_cgroup()
+    planned_by = host_facts()["edge_tree"]  # this checkout's edge, which plans below (no other on PYTHONPATH)
     with results.open("a") as out:
         for g in summarize(rows):
             least = g["subjects"].get("edge", {}).get("least")
@@ -1021,7 +1027,8 @@ def replan(results: Path, edge: str) -> int:
             verdict = plan_at(edge, Path(plan["model"]), g["max_model_len"], [], parent, f"replan-{os.getpid()}",
                               least)
             row = {"kind": "replan", "geometry": g["geometry"], "max_model_len": g["max_model_len"],
-                   "tree": g["commit"], "limit_bytes": least, "plan_at_limit": verdict}
+                   "tree": g["commit"], "planned_by": planned_by, "limit_bytes": least,
+                   "plan_at_limit": verdict}
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")
     return 0
@@ -1048,6 +1055,9 @@ def report(paths: list[Path]) -> int:
         false_no = ", ".join(fmt_mib(x) for x in g["refused_but_ran"]) or "none"
         print(f"| {g['geometry']} | {g['max_model_len']} | {g['commit']} | {cell(plain)} | {cell(edge)} "
               f"| {fmt_mib(adm)} MiB ({fmt_mib(unlimited)}) | {ratio} | {bad} | {false_no} |")
+    replanned = sorted({g["replanned_by"] for g in groups if g.get("replanned_by")})
+    if replanned:
+        print(f"\nThe admission column as planned (--replan) by edge's code tree {', '.join(replanned)}.")
     print("\nUnlimited runs and the plan's terms (MiB; decode tok/s):\n")
     print("| geometry | context | subject | decode | tree-PSS peak | cgroup peak | least limit | "
           + " | ".join(TERMS) + " | load path | steady | admission |\n|" + "---|" * (10 + len(TERMS)))
