@@ -86,8 +86,8 @@ def add_run_commands(sub: Any) -> None:
     common_options(run)
     mask_option(run)
     planning_options(run)
-    run.add_argument("--prompt", metavar="TEXT", help="the prompt (default: stdin when piped, an empty pipe being an error; else a "
-                                                         "demo prompt)")
+    run.add_argument("--prompt", metavar="TEXT", help="the prompt (default: stdin when piped, an empty pipe being an error; else "
+                                                         f"{DEFAULT_PROMPT!r})")
     run.add_argument("--max-tokens", type=positive_int, default=64, metavar="N", help="tokens to generate (64)")
     run.add_argument("--temperature", type=temperature, default=0.0, metavar="T", help="0 = greedy (default)")
     run.add_argument("--seed", type=int, metavar="N", help="sampling seed (with --temperature > 0)")
