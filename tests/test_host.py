@@ -212,7 +212,7 @@ def test_under_a_real_nested_limit_edge_refuses_before_loading(command):
     pytest.importorskip("edge_cpu", reason="the CPU backend's device reads the cgroup limit; edge-cpu is not "
                                            "installed in this interpreter")
 
-    limit = 400 * MIB  # below the runtime alone (vLLM and torch in one process: ~696 MiB), let alone tiny-llama
+    limit = 400 * MIB  # below the runtime alone (vLLM and torch in one process: ~666 MiB), let alone tiny-llama
     child = _child_cgroup(limit)
     try:
         # The child enters the cgroup itself, then becomes edge: everything edge reads is its own cgroup's.

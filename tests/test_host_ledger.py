@@ -279,7 +279,9 @@ def test_a_serving_session_holds_its_bytes_until_killed_and_nothing_is_left(tmp_
     per_seq = probe["kv"]["bytes_vllm"]
     room = probe["capacity_bytes"] - first["admission_bytes"] // 2 - probe["admission_bytes"]
     seqs = 1 + max(0, room // per_seq)
-    sizing = ["--max-num-seqs", str(seqs), "--max-num-batched-tokens", str(max(seqs, 2048))]
+    # The pool given (--kv-cache-memory): a pool sized by --max-num-seqs alone shrinks to fit beside the first.
+    sizing = ["--max-num-seqs", str(seqs), "--max-num-batched-tokens", str(max(seqs, 2048)),
+              "--kv-cache-memory", str(seqs * per_seq)]
     alone = _edge_json("plan", *sizing, env=env)
     assert alone["admitted"], alone["refusals"]
     assert alone["capacity_bytes"] - alone["admission_bytes"] < first["admission_bytes"], (alone, first)

@@ -53,8 +53,11 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory) -> Iterator[Pair]:
-    """The pair, serving; on leaving, whatever still runs in either namespace is killed and both are removed."""
+def session(tmp_path_factory, demo_accept) -> Iterator[Pair]:
+    """The pair, serving; on leaving, whatever still runs in either namespace is killed and both are removed.
+
+    After the suite's one-rank acceptance run (``demo_accept``, which a test here compares with): measured
+    beside a serving pair, that run's tree PSS would read the libraries' pages shared three ways."""
     logs = tmp_path_factory.mktemp("netns")
     model = ("--model", MODEL) if MODEL else ()
     with Namespaces("s") as spaces:

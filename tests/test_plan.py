@@ -268,7 +268,7 @@ def test_a_kv_pool_no_numa_node_holds_splits_over_one_rank_per_node(monkeypatch,
 
 
 def test_cgroup_limit_below_host_ram_is_the_capacity(monkeypatch, host_tree):
-    # tiny-llama in one process holds ~0.7 GiB (the runtime alone ~696 MiB) and, with 60 GiB available beyond the
+    # tiny-llama in one process holds ~0.7 GiB (the runtime alone ~666 MiB) and, with 60 GiB available beyond the
     # cgroup's room, no external reserve: a 512 MiB cgroup refuses it, naming the cgroup
     root = host_tree(mem_total=64 * GIB, mem_available=60 * GIB, cgroup_v2_limit=GIB // 2, cgroup_v2_usage=0)
     plan = plan_with_cpu(monkeypatch, DEMO / "tiny-llama", read_host(root), max_model_len=512)
