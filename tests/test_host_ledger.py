@@ -323,7 +323,13 @@ def test_a_serving_session_holds_its_bytes_until_killed_and_nothing_is_left(tmp_
         left = [pid for pid, created in pids if hl.start_time(pid) == created]
         assert left == [], f"processes of the killed session still running: {left}"
         after = _edge_json("plan", *sizing, env=env)
-        assert after["admitted"], after["refusals"]
+        # Nothing of the killed session is held for it any more: admitted, unless the host's own available
+        # memory has since fallen below what this plan needs (the suite's other engines leave page cache and
+        # tmpfs behind; seen once after the netns pair): then refused for capacity, never as committed.
+        codes = [r["code"] for r in after["refusals"]]
+        assert after["admitted"] or (codes == ["budget_exceeds_device"]
+                                     and after["refusals"][0]["details"]["capacity_bytes"] < alone["admission_bytes"]), (
+            after["refusals"], "capacity before / after:", alone["capacity_bytes"], after["capacity_bytes"])
         assert hl.read_ledger(tmp_path / "ledger").records == ()
     finally:
         if front.poll() is None:
