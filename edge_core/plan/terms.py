@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 #: room is that room already, and only the rest is reserved
 #: (:func:`host_reserve_bytes`). Evidence E.
 HOST_EXTERNAL_RESERVE_BYTES = 512 << 20
+#: What the external reserve's term says of itself.
+RESERVE_NOTE = "kept free for the OS and other processes; not forecast as usage"
 #: VRAM kept free beside the session: capacity is the card's total, and a
 #: display server or another process may hold a few hundred MiB. Evidence E.
 VRAM_EXTERNAL_RESERVE_BYTES = 512 << 20
@@ -100,12 +102,11 @@ def host_reserve_bytes(host: HostFacts | None) -> tuple[int, str]:
     available RAM), the host RAM beyond that room is already free for them:
     only what of :data:`HOST_EXTERNAL_RESERVE_BYTES` it does not cover is kept.
     """
-    note = "kept free for the OS and other processes; not forecast as usage"
     if host is None:
-        return HOST_EXTERNAL_RESERVE_BYTES, note
+        return HOST_EXTERNAL_RESERVE_BYTES, RESERVE_NOTE
     beyond = max(host.mem_available_bytes - host.usable_bytes, 0)
     if not beyond:
-        return HOST_EXTERNAL_RESERVE_BYTES, note
+        return HOST_EXTERNAL_RESERVE_BYTES, RESERVE_NOTE
     reserve = max(HOST_EXTERNAL_RESERVE_BYTES - beyond, 0)
     return reserve, (f"{HOST_EXTERNAL_RESERVE_BYTES >> 20} MiB kept free for the OS and other processes, less the "
                      f"{beyond / 2**20:,.0f} MiB of available host RAM beyond the cgroup limit's room, which they "
@@ -118,7 +119,7 @@ def headroom_reservations(device: Device, held_bytes: int, host: HostFacts | Non
     if pool == "host_ram":
         reserve, note = host_reserve_bytes(host)
     else:
-        reserve, note = VRAM_EXTERNAL_RESERVE_BYTES, "kept free for the OS and other processes; not forecast as usage"
+        reserve, note = VRAM_EXTERNAL_RESERVE_BYTES, RESERVE_NOTE
     return [
         Reservation(purpose="external_reserve", bytes=reserve, pool=pool, lifetime="session", evidence="E",
                     headroom=True, note=note),
