@@ -1000,14 +1000,12 @@ def summarize(rows: list[dict]) -> list[dict[str, Any]]:
         # external reserve where the host has room beyond it), else the unlimited plan's figure.
         # The newest --replan first (it may be of a re-fitted plan: its row names the code tree that planned), then
         # the plan each probe recorded.
-        at_least = [r["plan_at_limit"].get("admission_bytes") for r in reversed(replans)
-                    if (r["geometry"], r["max_model_len"], r["tree"]) == (g["geometry"], g["max_model_len"], g["commit"])
-                    and r["limit_bytes"] == edge.get("least")]
+        mine = [r for r in reversed(replans)
+                if (r["geometry"], r["max_model_len"], r["tree"]) == (g["geometry"], g["max_model_len"], g["commit"])]
+        at_least = [r["plan_at_limit"].get("admission_bytes") for r in mine if r["limit_bytes"] == edge.get("least")]
         at_least += [(p.get("plan_at_limit") or {}).get("admission_bytes") for p in edge.get("probes", [])
                      if p["limit_bytes"] == edge.get("least") and p["outcome"] == "runs"]
-        g["replanned_by"] = next((r.get("planned_by") for r in reversed(replans)
-                                  if (r["geometry"], r["max_model_len"], r["tree"])
-                                  == (g["geometry"], g["max_model_len"], g["commit"])), None)
+        g["replanned_by"] = mine[0].get("planned_by") if mine else None
         g["admission_at_least"] = next((a for a in at_least if isinstance(a, int)), None)
     return list(groups.values())
 
