@@ -542,7 +542,7 @@ def test_the_sampler_remembers_each_process_its_title_and_last_reading(tmp_path)
             write(proc_root / str(pid) / "smaps_rollup", "Rss: 2000 kB\nPss: 1000 kB\n")
         write(proc_root / "meminfo", "MemAvailable: 100 kB\n")
         found: list[int] = []
-        sampler = ProcessTreeSampler(os.getpid(), proc_root=proc_root, on_new_process=found.append)
+        sampler = ProcessTreeSampler(os.getpid(), proc_root=proc_root, on_new_process=found.append, pss_max_age_s=0)
         sampler.sample_once()
         sampler.sample_once()
         seen_now = sampler.seen()

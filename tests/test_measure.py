@@ -14,12 +14,14 @@ import select
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
 
 from edge_core.runtime.measure import (
     PEAK_NOTE,
+    PSS_REREAD_RSS_BYTES,
     MemoryReport,
     ProcessTreeSampler,
     compare,
@@ -81,6 +83,31 @@ def test_sampler_reads_pss_through_the_injected_root(tmp_path):
     assert sample.tree_pss_bytes == 300 * 1024
     assert sample.tree_rss_bytes == pytest.approx(psutil.Process().memory_info().rss, rel=0.5)
     assert sampler.report().counter("tree_pss").source == "smaps_rollup Pss"
+
+
+def test_pss_is_read_again_when_the_rss_moved_or_the_last_read_is_old_and_moves_with_the_rss_between(tmp_path):
+    if children_now():
+        pytest.skip("this test process has children; their PSS would fall back to RSS")
+    root = fake_proc(tmp_path, pss_kb=300)
+    sampler = ProcessTreeSampler(os.getpid(), proc_root=root, pss_max_age_s=3600)
+    first = sampler.sample_once()
+    fake_proc(tmp_path, pss_kb=900)  # smaps_rollup changes; the RSS barely moves
+    second = sampler.sample_once()
+    moved = second.tree_rss_bytes - first.tree_rss_bytes
+    assert abs(moved) < PSS_REREAD_RSS_BYTES, "this process's RSS moved between two reads; rerun"
+    assert second.tree_pss_bytes == 300 * 1024 + moved  # not re-read: the last PSS, moved by the RSS
+    held = bytearray(4 * PSS_REREAD_RSS_BYTES)
+    for offset in range(0, len(held), 4096):
+        held[offset] = 1  # touched: resident
+    third = sampler.sample_once()
+    assert third.tree_rss_bytes - first.tree_rss_bytes >= PSS_REREAD_RSS_BYTES
+    assert third.tree_pss_bytes == 900 * 1024  # the RSS moved: read again
+    del held
+    aged = ProcessTreeSampler(os.getpid(), proc_root=root, pss_max_age_s=0.05)
+    assert aged.sample_once().tree_pss_bytes == 900 * 1024
+    fake_proc(tmp_path, pss_kb=500)
+    time.sleep(0.1)
+    assert aged.sample_once().tree_pss_bytes == 500 * 1024  # the last read is old: read again
 
 
 def test_pss_falls_back_to_rss_and_says_so(tmp_path):

@@ -18,6 +18,15 @@ period, in separate accountings that are never summed:
 A sampled peak is a lower bound: a spike between two samples is missed. The
 "attributable peak" is the peak minus a baseline taken before loading.
 
+``smaps_rollup`` is read again only when it can have moved: a process's RSS
+(``statm``, microseconds) is read at every sample, its PSS (``smaps_rollup``,
+milliseconds: ~20 ms a read for edge's own process with vLLM's engine in it
+under gVisor, 8-10% of a core at 4 Hz, which the engine's decode lost) when
+its RSS moved by :data:`PSS_REREAD_RSS_BYTES` since the last read, or that
+read is :data:`PSS_MAX_AGE_S` old; in between, the PSS moves with the RSS
+(private pages count in full in both). Loading re-reads at every sample (the
+RSS climbs); a steady decode re-reads every :data:`PSS_MAX_AGE_S`.
+
 The sampler also remembers every process it has seen (:class:`SeenProcess`:
 its title, e.g. vLLM's ``VLLM::Worker``, and the last reading while it
 lived), so a process that dies can still be named with what was measured last
@@ -42,6 +51,11 @@ from ..host import parse_meminfo
 #: lasts seconds, long enough that walking a 4-process tree costs well under 1%
 #: of a core.
 DEFAULT_PERIOD_S = 0.25
+
+#: A process's ``smaps_rollup`` is read again when its RSS moved by this much since the last read ...
+PSS_REREAD_RSS_BYTES = 4 << 20
+#: ... or the last read is this old (seconds); 0 reads it at every sample.
+PSS_MAX_AGE_S = 2.0
 
 COUNTERS = ("tree_rss", "tree_pss", "host_available", "device")
 
@@ -268,6 +282,7 @@ class ProcessTreeSampler:
         device_source: str = "backend",
         proc_root: str | os.PathLike[str] = "/proc",
         on_new_process: Callable[[int], None] | None = None,
+        pss_max_age_s: float = PSS_MAX_AGE_S,
     ):
         if period_s <= 0:
             raise ValueError(f"period_s must be > 0, got {period_s}")
@@ -277,6 +292,10 @@ class ProcessTreeSampler:
         self.device_source = device_source
         self.proc_root = Path(proc_root)
         self.on_new_process = on_new_process
+        self.pss_max_age_s = pss_max_age_s
+        #: pid -> (PSS, RSS, monotonic seconds) at its last smaps_rollup read.
+        self._pss_read: dict[int, tuple[int, int, float]] = {}
+        self._reading = threading.Lock()  # sample_once runs on the sampling thread and on its callers'
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -303,15 +322,20 @@ class ProcessTreeSampler:
 
     def sample_once(self) -> Sample:
         """Read every counter now and fold the reading into the peaks."""
+        with self._reading:
+            return self._sample()
+
+    def _sample(self) -> Sample:
         rss_total = pss_total = fallback = count = 0
         per_process: list[tuple[int, int]] = []
         rss_of: dict[int, int] = {}
+        now = time.monotonic()
         for proc in self._tree():
             try:
                 rss = int(proc.memory_info().rss)
             except psutil.Error:
                 continue  # exited between the walk and the read
-            pss = read_pss_bytes(proc.pid, self.proc_root)
+            pss = self._pss(proc.pid, rss, now)
             if pss is None:
                 if not _holds_memory(proc, rss):
                     continue  # exiting or exited between the reads: nothing to count
@@ -341,7 +365,24 @@ class ProcessTreeSampler:
         )
         self._record(sample)
         self._remember(sample, rss_of)
+        for pid in set(self._pss_read) - set(rss_of):
+            del self._pss_read[pid]  # gone: a reused pid starts afresh
         return sample
+
+    def _pss(self, pid: int, rss: int, now: float) -> int | None:
+        """``pid``'s PSS: read from ``smaps_rollup`` when it can have moved (see the module's doc), else the
+        last read moved by the RSS since."""
+        last = self._pss_read.get(pid)
+        if last is not None:
+            pss, rss_then, read_s = last
+            if abs(rss - rss_then) < PSS_REREAD_RSS_BYTES and now - read_s < self.pss_max_age_s:
+                return max(pss + rss - rss_then, 0)
+        pss_now = read_pss_bytes(pid, self.proc_root)
+        if pss_now is None:
+            self._pss_read.pop(pid, None)
+        else:
+            self._pss_read[pid] = (pss_now, rss, now)
+        return pss_now
 
     def _remember(self, sample: Sample, rss_of: dict[int, int]) -> None:
         """Update each process's :class:`SeenProcess`, its title re-read at every sample (vLLM titles its
