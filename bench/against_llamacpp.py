@@ -176,6 +176,10 @@ SUBJECTS: dict[str, dict[str, Any]] = {
                    "on AMX)", "env": {}},
     "edge-w4a16-a16": {"engine": "edge", "import": "w4a16", "label": "edge, W4A16 import, VLLM_CPU_INT4_W4A8=0",
                        "env": {"VLLM_CPU_INT4_W4A8": "0"}},
+    "edge-w4a16-compiled": {"engine": "edge", "import": "w4a16", "label": "edge, W4A16 import, --compile (vLLM's "
+                            "torch.compile path instead of eager)", "args": ["--compile"]},
+    "edge-bf16-compiled": {"engine": "edge", "import": "bf16", "label": "edge, bf16 import, --compile",
+                           "args": ["--compile"]},
 }
 JOBS = ("short", "long", "streams")
 READY_TIMEOUT_S = 600
@@ -382,7 +386,7 @@ def subject_command(spec: dict[str, Any], log: Path) -> tuple[list[str], dict[st
     if spec["engine"] == "edge":
         cmd = [spec["edge"], "run", "--model", spec["model_dir"], "--max-model-len", str(spec["ctx"]),
                "--prompt", spec["prompt"], "--max-tokens", str(spec["max_tokens"]), "--ignore-eos", "--json",
-               "--engine-log", str(log)]
+               "--engine-log", str(log), *spec.get("edge_args", [])]
         return cmd, env
     if spec.get("llamacpp_lib"):
         env["LLAMA_CPP_LIB_PATH"] = spec["llamacpp_lib"]
@@ -549,7 +553,8 @@ def run_streams(spec: dict[str, Any]) -> dict[str, Any]:
     log = logs / f"{spec['model']}-{spec['subject']}-streams-{os.getpid()}.log"
     if spec["engine"] == "edge":
         cmd = [spec["edge"], "serve", "--model", spec["model_dir"], "--max-model-len", str(spec["ctx"]),
-               "--host", "127.0.0.1", "--port", str(port), "--json", "--engine-log", str(log)]
+               "--host", "127.0.0.1", "--port", str(port), "--json", "--engine-log", str(log),
+               *spec.get("edge_args", [])]
     else:
         cmd = [str(Path(spec["llamacpp_bin"]) / "llama-server"), "-m", spec["gguf"], "-t", str(spec["threads"]),
                "-tb", str(spec["threads"]), "--parallel", str(STREAMS), "-c", str(spec["ctx"]), "--host",
@@ -873,7 +878,8 @@ def base_spec(args: argparse.Namespace, model: dict[str, Any], subject: str, job
     s = SUBJECTS[subject]
     prompt = model["short" if job in ("short", "streams") else "long"]
     spec = {"model": model["key"], "subject": subject, "job": job, "engine": s["engine"], "env": s.get("env") or {},
-            "ctx": args.ctx, "threads": args.threads, "logs": str(args.out / "logs"), "edge": args.edge,
+            "edge_args": s.get("args") or [], "ctx": args.ctx, "threads": args.threads,
+            "logs": str(args.out / "logs"), "edge": args.edge,
             "gguf": model["gguf"], "prompt": prompt["text"], "prompt_ids": prompt["ids"],
             "prompt_tokens": len(prompt["ids"]), "max_tokens": DECODE_TOKENS if job != "long" else 1,
             "llamacpp_python": args.llamacpp_python, "llamacpp_bin": args.llamacpp_bin,

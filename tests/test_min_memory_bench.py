@@ -306,3 +306,47 @@ def test_resume_reads_the_same_edge_code_only(tmp_path):
     assert sorted(seed["edge"]) == [(1536 * MIB, False), (1792 * MIB, True), (2048 * MIB, True)]
     assert mm.earlier(results, "g", 8192, "t1") == ({}, {})
     assert mm.earlier(results, "g", 4096, "t1+dirty") == ({}, {})
+
+
+def _rows(admission_at_probe: int) -> list[dict]:
+    """One geometry's plan, plain's and edge's probes (edge runs at 1,024 MiB, not at 896), as the bench writes them."""
+    plan = {"kind": "plan", "geometry": "g", "max_model_len": 2048, "run_id": "r1", "model": "/m",
+            "host": {"edge_tree": "tree1"}, "admission_bytes": 3000 * MIB}
+    probes = [{"kind": "probe", "geometry": "g", "max_model_len": 2048, "run_id": "r1", "subject": "edge",
+               "limit_bytes": limit, "outcome": outcome,
+               "plan_at_limit": {"admitted": True, "admission_bytes": admission_at_probe}}
+              for limit, outcome in ((1024 * MIB, "runs"), (896 * MIB, "oom"))]
+    return [plan, *probes]
+
+
+def test_the_admission_at_the_least_limit_is_the_newest_replan_of_the_same_code_tree_else_the_probe():
+    rows = _rows(1100 * MIB)
+    [group] = mm.summarize(rows)
+    assert group["subjects"]["edge"]["least"] == 1024 * MIB
+    assert group["admission_at_least"] == 1100 * MIB and group["replanned_by"] is None
+    replans = [{"kind": "replan", "geometry": "g", "max_model_len": 2048, "tree": tree, "planned_by": by,
+                "limit_bytes": 1024 * MIB, "plan_at_limit": {"admission_bytes": adm}}
+               for tree, by, adm in (("tree1", "fit1", 1080 * MIB), ("tree1", "fit2", 1050 * MIB),
+                                     ("other", "fit3", 1 * MIB))]
+    [group] = mm.summarize(rows + replans)
+    assert group["admission_at_least"] == 1050 * MIB and group["replanned_by"] == "fit2"
+
+
+def test_replan_plans_each_group_once_at_edge_s_least_limit_and_appends_its_row(tmp_path, monkeypatch):
+    results = tmp_path / "r.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in _rows(1100 * MIB)))
+    calls = []
+
+    def plan_at(edge, model, max_model_len, edge_args, parent, name, limit):
+        calls.append((edge, str(model), max_model_len, limit))
+        return {"admitted": True, "admission_bytes": 1060 * MIB}
+
+    monkeypatch.setattr(mm, "plan_at", plan_at)
+    monkeypatch.setattr(mm, "own_memory_cgroup", lambda: (1, tmp_path))
+    monkeypatch.setattr(mm, "host_facts", lambda: {"edge_tree": "fit9"})
+    assert mm.replan(results, "edge") == 0
+    assert calls == [("edge", "/m", 2048, 1024 * MIB)]
+    added = [json.loads(ln) for ln in results.read_text().splitlines()][-1]
+    assert added["kind"] == "replan" and added["planned_by"] == "fit9" and added["tree"] == "tree1"
+    [group] = mm.summarize([json.loads(ln) for ln in results.read_text().splitlines()])
+    assert group["admission_at_least"] == 1060 * MIB
