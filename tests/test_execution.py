@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from edge_core.artifact import DEMO_MODEL, read_manifest
+from edge_core.budget import combine
 from edge_core.cli import build_parser
 from edge_core.devices import Device
 from edge_core.engines import vllm_launch
@@ -125,6 +126,15 @@ def test_the_plan_states_its_process_layout_and_runs_what_it_states(monkeypatch,
     edge_cpu_memory = pytest.importorskip("edge_cpu._memory")
     assert baseline == {"one": edge_cpu_memory.RUNTIME_BASELINE_ONE_PROCESS_BYTES,
                         "served": edge_cpu_memory.RUNTIME_BASELINE_BYTES}
+    # The one process's libraries' file pages: in the peak the tree PSS is checked against, not in admission.
+    pages = {p: [t for t in plan.reservations if t.purpose == "runtime_file_pages"]
+             for p, plan in (("one", one), ("served", served))}
+    assert pages["served"] == [] and [t.bytes for t in pages["one"]] == [
+        edge_cpu_memory.RUNTIME_FILE_PAGES_ONE_PROCESS_BYTES]
+    assert pages["one"][0].reclaimable
+    assert one.peak.predicted_bytes - one.peak.held_bytes >= edge_cpu_memory.RUNTIME_FILE_PAGES_ONE_PROCESS_BYTES
+    without = [t for t in one.reservations if t.purpose != "runtime_file_pages"]
+    assert one.peak.admission_bytes == combine(without, "host_ram").admission_bytes
 
 
 def test_a_parallel_layout_keeps_vllms_executor_and_says_why(monkeypatch, host_tree):

@@ -9,6 +9,7 @@ count; timeouts are hang guards only.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import select
 import subprocess
@@ -96,13 +97,13 @@ def test_pss_is_read_again_when_the_rss_moved_or_the_last_read_is_old_and_moves_
     moved = second.tree_rss_bytes - first.tree_rss_bytes
     assert abs(moved) < PSS_REREAD_RSS_BYTES, "this process's RSS moved between two reads; rerun"
     assert second.tree_pss_bytes == 300 * 1024 + moved  # not re-read: the last PSS, moved by the RSS
-    held = bytearray(4 * PSS_REREAD_RSS_BYTES)
+    held = mmap.mmap(-1, 4 * PSS_REREAD_RSS_BYTES)  # fresh pages: a heap allocation may reuse resident ones
     for offset in range(0, len(held), 4096):
         held[offset] = 1  # touched: resident
     third = sampler.sample_once()
     assert third.tree_rss_bytes - first.tree_rss_bytes >= PSS_REREAD_RSS_BYTES
     assert third.tree_pss_bytes == 900 * 1024  # the RSS moved: read again
-    del held
+    held.close()
     aged = ProcessTreeSampler(os.getpid(), proc_root=root, pss_max_age_s=0.05)
     assert aged.sample_once().tree_pss_bytes == 900 * 1024
     fake_proc(tmp_path, pss_kb=500)

