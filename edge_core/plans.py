@@ -100,7 +100,11 @@ class SessionSpec:
     (:mod:`edge_core.plan.execution`); True or False is the user's
     ``--enforce-eager`` / ``--compile``. A planned session always has it set.
     ``served`` is True for a session behind vLLM's OpenAI-compatible server
-    (``edge serve``), whose engine core always runs in a process of its own.
+    (``edge serve``), whose engine core always runs in a process of its own;
+    ``max_connections`` is then how many requests to the model its server
+    holds open at once (``--max-connections``: running, queued or streaming;
+    one more is answered 503), and the plan reserves their state. None for a
+    session that is not served.
     ``in_process`` is the planned engine's process layout (the plan's
     ``execution``): None until planned.
     """
@@ -113,6 +117,7 @@ class SessionSpec:
     max_model_len_auto: bool = False
     kv_cache_memory_bytes: int | None = None
     served: bool = False
+    max_connections: int | None = None
     in_process: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,6 +130,7 @@ class SessionSpec:
             "kv_dtype": self.kv_dtype,
             "enforce_eager": self.enforce_eager,
             "served": self.served,
+            "max_connections": self.max_connections,
             "in_process": self.in_process,
         }
 

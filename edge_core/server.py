@@ -31,6 +31,9 @@ class ServerOptions:
     are aborted. ``on_ready`` is called once with the base URL when the
     server answers ``/health``. Where the runtime's own output goes is the
     session's engine log (``EDGE_ENGINE_LOG``), as for every engine start.
+    ``max_connections`` is the plan's cap on requests to the model open at
+    once (``--max-connections``; None: no cap): the server answers one more
+    with 503 and why (:class:`edge_core.runtime.connection_cap.ConnectionCap`).
     """
 
     host: str
@@ -39,6 +42,7 @@ class ServerOptions:
     sock: socket.socket
     api_key: str | None = None
     drain_timeout_s: float = 5.0
+    max_connections: int | None = None
     routes: Mapping[str, Route] = field(default_factory=dict)
     on_ready: Callable[[str], None] | None = None
 

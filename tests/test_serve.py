@@ -97,6 +97,38 @@ def test_serve_help_explains_the_stop_and_the_endpoints():
         assert words in done.stdout, words
 
 
+def test_serve_help_gives_the_connection_cap_and_its_default():
+    from edge_core.cli.serve import SERVE_MAX_CONNECTIONS
+
+    text = " ".join(edge("serve", "--help").stdout.split())
+    assert "--max-connections N requests to the model held open at once" in text
+    assert f"(default {SERVE_MAX_CONNECTIONS}" in text and "503" in text
+
+
+@pytest.mark.parametrize("value, says", [
+    ("0", "expected a number >= 1, got 0"),
+    ("-5", "expected a number >= 1, got -5"),
+    ("2.5", "expected a whole number, got '2.5'"),
+    ("many", "expected a whole number, got 'many'"),
+])
+def test_a_bad_connection_cap_is_a_usage_error_naming_it(value, says):
+    done = edge("serve", f"--max-connections={value}", "--port", str(free_port()))
+    assert done.returncode == 64, done.stderr[-2000:]
+    assert done.stderr.splitlines()[0] == f"edge serve: argument --max-connections: {says}"
+    assert "Traceback" not in done.stderr and "loading" not in done.stderr
+
+
+def test_the_connection_cap_is_in_the_served_plan_and_its_json():
+    # Refused (head_dim 16) before any port opens: the plan document still carries the session as asked.
+    done = edge("serve", "--model", str(DEMO_MODEL_HD16), "--max-connections", "5", "--port", str(free_port()),
+                "--json")
+    assert done.returncode == 2, done.stderr[-2000:]
+    session = json.loads(done.stdout)["plan"]["session"]
+    assert session["served"] is True and session["max_connections"] == 5
+    planned = json.loads(edge("plan", "--model", str(DEMO_MODEL_HD16), "--json").stdout)["session"]
+    assert planned["served"] is False and planned["max_connections"] is None
+
+
 # ---------------------------------------------------------------- real vLLM
 
 
@@ -336,7 +368,8 @@ def fake_server_backend(calls: list) -> object:
 
     @hookimpl
     def start_server(device, plan, options):
-        calls.append(("start_server", device.device_id, options.served_model_name, options.port))
+        calls.append(("start_server", device.device_id, options.served_model_name, options.port,
+                      options.max_connections))
         return Handle(options)
 
     module.probe_devices, module.start_server = probe_devices, start_server
@@ -355,8 +388,8 @@ def test_hook_start_server_gets_a_bound_socket_and_edge_routes_and_its_report_is
     registry.register(fake_server_backend(calls), "fake")
     try:
         host = read_host()
-        plan = make_plan(str(DEMO_MODEL), session=SessionSpec(max_model_len=256), devices=registry.probe(host),
-                         host=host, registry=registry)
+        plan = make_plan(str(DEMO_MODEL), session=SessionSpec(max_model_len=256, served=True, max_connections=5),
+                         devices=registry.probe(host), host=host, registry=registry)
         assert plan.admitted, plan.refusals
         port = free_port()
         fetched: dict = {}
@@ -377,7 +410,7 @@ def test_hook_start_server_gets_a_bound_socket_and_edge_routes_and_its_report_is
         thread.join(30)
     finally:
         registry.unregister("fake")
-    assert calls[0] == ("start_server", "gpu_discrete:fake", "demo", port)
+    assert calls[0] == ("start_server", "gpu_discrete:fake", "demo", port, 5)  # the plan's cap, to the server
     assert fetched["plan"]["selected_device"] == "gpu_discrete:fake"  # /edge/plan is the plan document
     assert record["stopped_by"] == "SIGTERM" and record["server"]["requests_served"] == 1
     assert record["memory"]["predicted_peak_bytes"] == plan.peak.predicted_bytes

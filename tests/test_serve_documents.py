@@ -186,7 +186,7 @@ def test_edge_routes_are_behind_the_api_key(key, headers, query, status):
                                    routes={PAGE_PATH: lambda: ("text/html", b"<!doctype html>"),
                                            "/edge/memory": lambda: ("application/json", b"{}")})
     app = FastAPI()
-    server._add_edge_routes(app)
+    server._add_edge_parts(app)
     client = TestClient(app)
     for path in (PAGE_PATH, "/edge/memory"):
         answer = client.get(path + query, headers=headers)

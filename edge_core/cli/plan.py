@@ -188,6 +188,8 @@ def session_from(args: argparse.Namespace) -> SessionSpec:
                        enforce_eager=getattr(args, "enforce_eager", None), max_model_len_auto=auto,
                        kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None),
                        served=getattr(args, "command", None) == "serve",
+                       # A node past the head runs ranks, not the server: no connections to hold.
+                       max_connections=None if getattr(args, "node_rank", 0) else getattr(args, "max_connections", None),
                        in_process=False if getattr(args, "distributed_executor_backend", None) == "mp" else None)
 
 

@@ -26,6 +26,9 @@ from .run import engine_log_from, engine_log_options, headless, joined_nodes, pl
 SERVE_MAX_NUM_SEQS = 8
 #: Seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted.
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
+#: Requests to the model held open at once unless --max-connections says otherwise (docs/benchmarks.md, "What an
+#: open connection costs"): eight times --max-num-seqs waiting, for a few KiB each.
+SERVE_MAX_CONNECTIONS = 64
 
 
 def add_serve_command(sub: Any) -> None:
@@ -51,6 +54,10 @@ def add_serve_command(sub: Any) -> None:
     serve.add_argument("--api-key", metavar="KEY", default=os.environ.get("EDGE_API_KEY"),
                        help="require this bearer key on /v1 and /edge (passed to vLLM's server; env EDGE_API_KEY); "
                             "a browser gives it to /edge/ as ?key=KEY")
+    serve.add_argument("--max-connections", type=positive_int, default=SERVE_MAX_CONNECTIONS, metavar="N",
+                       help=f"requests to the model held open at once: running, queued behind --max-num-seqs or "
+                            f"streaming (default {SERVE_MAX_CONNECTIONS}); one more is answered 503 with the reason "
+                            "at once. The plan reserves memory for each; GET endpoints are not counted")
     serve.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
                        help=f"seconds in-flight requests may finish after a stop signal (default "
                             f"{DEFAULT_DRAIN_TIMEOUT_S:g})")

@@ -95,6 +95,8 @@ def resolve_session(manifest: Manifest, session: SessionSpec) -> SessionSpec:
         raise UsageError("--max-num-batched-tokens must be at least 1")
     if session.kv_cache_memory_bytes is not None and session.kv_cache_memory_bytes < 1:
         raise UsageError("--kv-cache-memory must be at least 1 byte")
+    if session.max_connections is not None and session.max_connections < 1:
+        raise UsageError("--max-connections must be at least 1")
     return SessionSpec(
         max_model_len=max_model_len,
         max_num_seqs=session.max_num_seqs,
@@ -104,6 +106,7 @@ def resolve_session(manifest: Manifest, session: SessionSpec) -> SessionSpec:
         max_model_len_auto=session.max_model_len_auto,
         kv_cache_memory_bytes=session.kv_cache_memory_bytes,
         served=session.served,
+        max_connections=session.max_connections,
         in_process=session.in_process,
     )
 

@@ -254,7 +254,7 @@ def serve_plan(plan: Plan, registry: Registry, *, host: str, port: int, served_m
             try:
                 served = _run_server(plan, registry, watch, said, ServerOptions(
                     host=host, port=port, served_model_name=served_model_name, sock=sock, api_key=api_key,
-                    drain_timeout_s=drain_timeout_s), plan_document)
+                    drain_timeout_s=drain_timeout_s, max_connections=plan.session.max_connections), plan_document)
             finally:
                 watch.stop()
     finally:

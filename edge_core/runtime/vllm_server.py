@@ -9,8 +9,9 @@ the pieces (docs/vllm-cpu-facts.md, 'The OpenAI server's pieces'):
 ``build_async_engine_client_from_engine_args`` builds the engine client,
 ``build_app`` / ``init_app_state`` the FastAPI app with every OpenAI route,
 ``serve_http`` runs uvicorn on a socket edge has already bound.
-Only two things are edge's: GET routes beside vLLM's (``/edge/...``, added
-to the same app), and the stop, because vLLM's own handler aborts at once
+Only three things are edge's: GET routes beside vLLM's (``/edge/...``, added
+to the same app), the plan's cap on open requests (:mod:`.connection_cap`),
+and the stop, because vLLM's own handler aborts at once
 while edge drains: on SIGTERM or SIGINT the server stops accepting, in-flight
 requests get ``drain_timeout_s`` to finish, the engine shuts down, every
 engine process is reaped; a second signal kills them and exits.
@@ -34,6 +35,7 @@ from ..errors import StageError
 from ..server import ServerOptions, ServerReport
 from ..services.host_ledger import current
 from . import reaper
+from .connection_cap import ConnectionCap
 from .deaths import account, child_exits, failure
 from .logs import EngineLog
 from .processes import OwnProcessGroup, children, reap
@@ -142,7 +144,7 @@ class VllmServer:
             supported_tasks = await engine.get_supported_tasks()
             app = build_app(args, supported_tasks, engine.model_config)
             await init_app_state(engine, app.state, args, supported_tasks)
-            self._add_edge_routes(app)
+            self._add_edge_parts(app)
             loop = asyncio.get_running_loop()
             # serve_http installs vLLM's own SIGINT/SIGTERM handlers before its first await; this runs just
             # after and puts edge's draining stop in their place.
@@ -225,9 +227,10 @@ class VllmServer:
         # What is still in flight is aborted with the engine; its streams end.
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
-    # -- edge's routes beside vLLM's ----------------------------------------------
+    # -- edge's routes beside vLLM's, and the plan's cap ----------------------------
 
-    def _add_edge_routes(self, app: Any) -> None:
+    def _add_edge_parts(self, app: Any) -> None:
+        """edge's GET routes (behind the API key, as vLLM's are) and the plan's connection cap, on vLLM's app."""
         from fastapi import Request, Response
 
         key = self.options.api_key
@@ -246,6 +249,10 @@ class VllmServer:
 
         for path, make in self.options.routes.items():
             app.add_api_route(path, route(make), methods=["GET"], include_in_schema=False)
+        if self.options.max_connections is not None:
+            # Outermost, around the stack vLLM's app has already built (Starlette's add_middleware refuses then).
+            stack = app.middleware_stack if app.middleware_stack is not None else app.build_middleware_stack()
+            app.middleware_stack = ConnectionCap(stack, self.options.max_connections)
 
     async def _announce_ready(self, app: Any) -> None:
         """Call ``on_ready`` once ``/health`` answers 200 over the socket clients will use."""
