@@ -64,13 +64,11 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -265,8 +263,7 @@ KERNEL_KILL = re.compile(r"(?P<scope>Memory cgroup out of memory|Out of memory)[
 KERNEL_OOM_MEMCG = re.compile(r"oom-kill:.*\boom_memcg=(?P<memcg>[^,]*),.*\bpid=(?P<pid>\d+)")
 
 
-@dataclass(frozen=True)
-class KernelKill:
+class KernelKill(NamedTuple):
     """One OOM kill the kernel logged."""
 
     pid: int
@@ -477,6 +474,8 @@ class FrontNote:
         try:
             fd = os.memfd_create("edge-front-note", getattr(os, "MFD_CLOEXEC", 0))
         except (AttributeError, OSError):
+            import tempfile  # only here: the reaper itself never needs it, and it costs its start
+
             try:
                 with tempfile.TemporaryFile() as handle:
                     fd = os.dup(handle.fileno())
@@ -551,8 +550,7 @@ def _limit(text: str | None) -> int | None:
     return int(text) if text.isdigit() and int(text) < CGROUP_UNLIMITED else None
 
 
-@dataclass(frozen=True)
-class FrontDeath:
+class FrontDeath(NamedTuple):
     """How the front ended, as its reaper tells from outside, and the one sentence it says about it.
 
     Made from the front's note (``facts``: see :func:`~edge_core.runtime.deaths.front_facts`;
@@ -599,8 +597,8 @@ class FrontDeath:
         failcnt = None
         if cgroup.get("failcnt"):
             file, key = cgroup["failcnt"]
-            text = _read_text(file)
-            failcnt = _keyed(text).get(key) if key else (int(text.strip()) if (text or "").strip().isdigit() else None)
+            text = (_read_text(file) or "").strip()
+            failcnt = _keyed(text).get(key) if key else (int(text) if text.isdigit() else None)
         kills = kernel_log.kills() if kernel_log is not None else {}
         return cls(pid=pid, returncode=returncode, facts=facts, reading=note.get("reading"), counts=tuple(counts),
                    rises=tuple(rises), limit_bytes=limit_bytes, limit_path=limit_path, failcnt=failcnt,
@@ -735,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     terminated, killed = end_marked(args.session)
     if death is not None:
         ended = tuple((pid, titles.get(pid)) for pid in dict.fromkeys(terminated + killed))
-        say("edge: " + replace(death, ended=ended).describe() + "\n")
+        say("edge: " + death._replace(ended=ended).describe() + "\n")
     return 0
 
 
