@@ -1,4 +1,4 @@
-"""Which processes belong to an engine session, and who ends them, and names the death, when edge itself is killed?
+"""Which processes belong to an engine session, and when edge itself is killed, who ends them and says how it died?
 
 Edge starts vLLM's engine processes in a process group of their own
 (:mod:`.processes`), so a ``kill -9`` or the OOM killer ending edge leaves
@@ -22,7 +22,8 @@ process from outside:
 
 An engine that runs inside edge's own process (one vLLM CPU rank, the plan's
 ``execution.in_process``) dies with it: the reaper then finds no marked
-process and exits, so the same sequence holds for both layouts.
+process to end, so the same sequence holds for both layouts, and names the
+death (below).
 
 The reaper runs by path, not with ``python -m``: it imports the standard
 library and psutil only (no ``edge_core``, no vLLM), and starts in a fraction
