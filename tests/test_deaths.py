@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from fake_cgroups import MIB, FakePlan, bump_v1, kmsg_record, mib, oom_lines, v1_root, v2_root, write
 
 from edge_core.errors import EngineDied, StageError
 from edge_core.runtime import deaths
@@ -34,74 +35,7 @@ from edge_core.runtime.deaths import (
 )
 from edge_core.runtime.measure import SeenProcess
 
-MIB = 1 << 20
-UNLIMITED_V1 = 9223372036854771712
 HANG_GUARD_S = 30.0
-
-
-def mib(value: int) -> str:
-    return f"{value / MIB:,.0f} MiB"
-
-
-# ---------------------------------------------------------------- fake roots
-
-def write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def v1_root(root: Path, *, own: str = "/process_api/abc/edge", limit: int | None = 1536 * MIB,
-            parent_limit: int | None = None, oom_kill: int = 0, under_oom: int = 0, failcnt: int = 0,
-            usage: int = 700 * MIB, mount_root: str = "/", mountinfo: bool = True) -> Path:
-    """A cgroup v1 host: memory controller at /sys/fs/cgroup/memory, this process in ``own``."""
-    write(root / "proc/self/cgroup", f"9:name=systemd:/\n4:memory:{own}\n3:cpuset:/\n0::/\n")
-    if mountinfo:
-        write(root / "proc/self/mountinfo",
-              f"35 31 0:32 {mount_root} /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
-              "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n")
-    relative = own[len(mount_root.rstrip("/")):] if mount_root != "/" else own
-    base = root / "sys/fs/cgroup/memory"
-    own_dir = base / relative.strip("/")
-    parent_dir = own_dir.parent
-    write(own_dir / "memory.limit_in_bytes", f"{limit if limit is not None else UNLIMITED_V1}\n")
-    write(parent_dir / "memory.limit_in_bytes", f"{parent_limit if parent_limit is not None else UNLIMITED_V1}\n")
-    write(base / "memory.limit_in_bytes", f"{UNLIMITED_V1}\n")
-    write(own_dir / "memory.oom_control", f"oom_kill_disable 0\nunder_oom {under_oom}\noom_kill {oom_kill}\n")
-    write(own_dir / "memory.failcnt", f"{failcnt}\n")
-    write(own_dir / "memory.usage_in_bytes", f"{usage}\n")
-    write(own_dir / "memory.max_usage_in_bytes", f"{usage + 10 * MIB}\n")
-    # The unified hierarchy without the memory controller, as on this project's VM.
-    write(root / "sys/fs/cgroup/unified/cgroup.controllers", "")
-    return root
-
-
-def v2_root(root: Path, *, own: str = "/user.slice/edge", own_max: str = "max", parent_max: str = "2147483648",
-            own_kills: int = 0, parent_kills: int = 0, own_events: bool = True) -> Path:
-    write(root / "proc/self/cgroup", f"0::{own}\n")
-    write(root / "proc/self/mountinfo", "30 23 0:26 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n")
-    base = root / "sys/fs/cgroup"
-    own_dir = base / own.strip("/")
-    if own_events:
-        write(own_dir / "memory.events", f"low 0\nhigh 0\nmax 7\noom 1\noom_kill {own_kills}\noom_group_kill 0\n")
-        write(own_dir / "memory.max", f"{own_max}\n")
-        write(own_dir / "memory.current", f"{300 * MIB}\n")
-        write(own_dir / "memory.peak", f"{400 * MIB}\n")
-    write(own_dir.parent / "memory.events", f"low 0\nhigh 0\nmax 9\noom 2\noom_kill {parent_kills}\n")
-    write(own_dir.parent / "memory.max", f"{parent_max}\n")
-    return root
-
-
-def kmsg_record(seq: int, message: str) -> str:
-    return f"3,{seq},{seq * 1000},-;{message}\n"
-
-
-def oom_lines(pid: int, name: str, memcg: str, seq: int = 500) -> str:
-    return (kmsg_record(seq, f"oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0,"
-                             f"oom_memcg={memcg},task_memcg={memcg},task={name},pid={pid},uid=0")
-            + kmsg_record(seq + 1, f"Memory cgroup out of memory: Killed process {pid} ({name}) total-vm:4261640kB, "
-                                   "anon-rss:1261504kB, file-rss:6636kB, shmem-rss:0kB, UID:0 pgtables:5720kB "
-                                   "oom_score_adj:0")
-            + " SUBSYSTEM=memory\n")
 
 
 class FakeSampler:
@@ -135,25 +69,6 @@ class FakeExits:
 def seen(pid: int, title: str, *, at: float, pss: int, tree_pss: int, tree_rss: int) -> SeenProcess:
     return SeenProcess(pid=pid, title=title, first_seen_s=at - 30, last_seen_s=at, pss_bytes=pss, rss_bytes=pss,
                        tree_pss_bytes=tree_pss, tree_rss_bytes=tree_rss)
-
-
-class FakePeak:
-    def __init__(self, predicted: int, headroom: int, reclaimable: int = 256 * MIB):
-        # Admission is the held peak (the predicted one less the reclaimable file pages) + headroom.
-        self.predicted_bytes, self.headroom_bytes = predicted, headroom
-        self.held_bytes = predicted - reclaimable
-        self.admission_bytes = self.held_bytes + headroom
-
-
-class FakePlan:
-    def __init__(self, predicted: int, headroom: int):
-        self.peak = FakePeak(predicted, headroom)
-
-
-def bump_v1(root: Path, *, own: str = "/process_api/abc/edge", oom_kill: int, failcnt: int = 0) -> None:
-    own_dir = root / "sys/fs/cgroup/memory" / own.strip("/")
-    (own_dir / "memory.oom_control").write_text(f"oom_kill_disable 0\nunder_oom 0\noom_kill {oom_kill}\n")
-    (own_dir / "memory.failcnt").write_text(f"{failcnt}\n")
 
 
 # ---------------------------------------------------------------- the cgroup
@@ -592,36 +507,99 @@ def test_a_stream_hands_an_engine_death_on_as_it_is():
 # ---------------------------------------------------------------- one engine, OOM-killed under a real cgroup limit
 
 SMOLLM2 = Path("/work/models/smollm2-135m-instruct")
+#: What the limit leaves above what the cgroup holds and cannot reclaim when it is lowered: less than the weights
+#: still to load (257 MiB) and the KV pool, so loading goes on past it.
+OOM_MARGIN_BYTES = 64 * MIB
 
 
-def own_v1_memory_cgroup() -> Path | None:
-    cgroup = read_cgroup_memory()
-    return Path(cgroup.directory) if cgroup is not None and cgroup.version == 1 else None
-
-
-def v1_child_cgroup_reason() -> str | None:
-    """Why this test cannot make a child v1 memory cgroup here (None: it can)."""
-    own = own_v1_memory_cgroup()
-    if own is None:
-        return "this process has no cgroup v1 memory controller"
-    if not os.access(own, os.W_OK):
-        return f"cannot make a child memory cgroup under {own} (not writable: needs root or a delegated cgroup)"
+def v2_mount() -> Path | None:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        if " - cgroup2 " in line:
+            return Path(line.split()[4])
     return None
 
 
-def v2_child_cgroup_reason() -> str | None:
-    """Why no child v2 memory cgroup can be made here; this project's VM mounts v2 without the memory controller."""
-    cgroup = read_cgroup_memory()
-    if cgroup is not None and cgroup.version == 2:
-        return None if os.access(cgroup.directory, os.W_OK) else f"{cgroup.directory} is not writable"
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        if " - cgroup2 " in line:
-            mount = line.split()[4]
-            controllers = (Path(mount) / "cgroup.controllers").read_text().split() \
-                if (Path(mount) / "cgroup.controllers").exists() else []
-            if "memory" not in controllers:
-                return f"cgroup v2 at {mount} has no memory controller (cgroup.controllers: {' '.join(controllers) or 'empty'})"
-    return "no cgroup v2 hierarchy is mounted"
+class ChildMemoryCgroup:
+    """A memory cgroup of the test's own, a child of this process's (cgroup v1's memory controller, or v2's), that
+    a child process enters before it execs (:meth:`enter`); removed, once its processes have left, on exit."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.directory = self.parent() / f"edge-oom-test-{os.getpid()}"
+
+    def parent(self) -> Path:
+        if self.version == 1:
+            cgroup = read_cgroup_memory()
+            assert cgroup is not None and cgroup.version == 1
+            return Path(cgroup.directory)
+        mount = v2_mount()
+        assert mount is not None
+        own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if line.startswith("0::"))
+        return mount / own.strip("/")
+
+    @classmethod
+    def reason(cls, version: int) -> str | None:
+        """Why no such cgroup can be made here (None: it can)."""
+        if version == 1:
+            cgroup = read_cgroup_memory()
+            if cgroup is None or cgroup.version != 1:
+                return "this process has no cgroup v1 memory controller"
+            if not os.access(cgroup.directory, os.W_OK):
+                return (f"cannot make a child memory cgroup under {cgroup.directory} (not writable: needs root or a "
+                        "delegated cgroup)")
+            return None
+        mount = v2_mount()
+        if mount is None:
+            return "no cgroup v2 hierarchy is mounted"
+        controllers = (mount / "cgroup.controllers").read_text().split() \
+            if (mount / "cgroup.controllers").exists() else []
+        if "memory" not in controllers:
+            return f"cgroup v2 at {mount} has no memory controller (cgroup.controllers: {' '.join(controllers) or 'empty'})"
+        parent = cls(2).parent()
+        enabled = (parent / "cgroup.subtree_control").read_text().split() \
+            if (parent / "cgroup.subtree_control").exists() else []
+        if "memory" not in enabled:
+            return f"the memory controller is not enabled for the children of {parent} (cgroup.subtree_control)"
+        if not os.access(parent, os.W_OK):
+            return f"{parent} is not writable"
+        return None
+
+    def __enter__(self) -> ChildMemoryCgroup:
+        self.directory.mkdir()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                self.directory.rmdir()
+                return
+            except OSError:  # its last processes are still leaving
+                time.sleep(0.5)
+
+    def enter(self) -> None:
+        """Move the calling process in (a ``preexec_fn``)."""
+        (self.directory / "cgroup.procs").write_text(str(os.getpid()))
+
+    def stat(self) -> dict[str, int]:
+        return {key: int(value) for key, value in
+                (line.split() for line in (self.directory / "memory.stat").read_text().splitlines())}
+
+    def unreclaimable_bytes(self) -> int:
+        """What the cgroup holds and cannot reclaim now: anonymous memory and mapped files (the page cache can go)."""
+        stat = self.stat()
+        if self.version == 1:
+            return stat["total_rss"] + stat["total_mapped_file"]
+        return stat["anon"] + stat["file_mapped"]
+
+    def lower_limit(self, limit_bytes: int) -> None:
+        name = "memory.limit_in_bytes" if self.version == 1 else "memory.max"
+        (self.directory / name).write_text(str(limit_bytes))
+
+    def oom_kills(self) -> int:
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        return int(dict(line.split() for line in (self.directory / name).read_text().splitlines())["oom_kill"])
 
 
 def needs_engine() -> str | None:
@@ -648,85 +626,126 @@ def titles_of(pid: int) -> dict[int, str]:
     return out
 
 
+def assert_the_kernel_log_is_named(message: str, pid: int, name: str | None = None) -> None:
+    """Readable here, the kernel log names the victim (so its signal); not readable, the message says why."""
+    kernel_log = KernelLog(from_end=True)
+    try:
+        if kernel_log.unreadable is None:
+            assert "(SIGKILL): memory cgroup" in message and f"Killed process {pid} ({name or ''}" in message, message
+        else:
+            assert f"the kernel log is not readable here: {kernel_log.unreadable}" in message, message
+    finally:
+        kernel_log.close()
+
+
 @pytest.mark.vllm
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_an_engine_oom_killed_under_a_cgroup_limit_is_named_oom_with_the_process_and_the_limit(tmp_path, version):
-    # vLLM's worker in a process of its own (--distributed-executor-backend mp: one rank's default is edge's own
-    # process, whose OOM kill ends edge itself, with nothing left to name it; see docs/vllm-cpu-facts.md).
+    # vLLM's worker in a process of its own (--distributed-executor-backend mp, as `edge serve`, parallel layouts
+    # and nodes run it): edge names the death (deaths.py). The in-process layout, one rank's default, is the next test.
     # The plan admits at the cgroup's limit (unlimited when edge plans), then the limit is lowered to what the
     # cgroup holds and cannot reclaim plus a margin once the worker is up: loading goes on past it (the weights
     # alone are 257 MiB) and the kernel kills the worker.
     # This stays valid when the plan reads nested limits (it then refuses below its admission): the limit moves
     # only after admission. The worker is made the OOM killer's first choice (oom_score_adj 1000), so the kill
     # is the engine's, not edge's front (which imports vLLM too and is as large until the weights load).
-    if version == 2 and (why := v2_child_cgroup_reason()):
+    if why := ChildMemoryCgroup.reason(version) or needs_engine():
         pytest.skip(why)
-    if version == 1 and (why := v1_child_cgroup_reason()):
-        pytest.skip(why)
-    if why := needs_engine():
-        pytest.skip(why)
-    own = own_v1_memory_cgroup()
-    assert own is not None
-    child_dir = own / f"edge-oom-test-{os.getpid()}"
-    child_dir.mkdir()
-    margin = 64 * MIB
     limit = None
     from servers import short_tmp
 
     short = short_tmp("edge-oom-")  # vLLM's ZMQ sockets go under TMPDIR: a unix socket's path fits 107 bytes
     try:
-        def enter() -> None:
-            (child_dir / "cgroup.procs").write_text(str(os.getpid()))
-
-        env = {**os.environ, "TMPDIR": str(short), "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_core", "run", "--model", str(SMOLLM2), "--max-model-len", "2048",
-             "--max-tokens", "8", "--prompt", "Hi", "--distributed-executor-backend", "mp"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=env,
-            preexec_fn=enter)
-        deadline = time.monotonic() + 600
-        worker = None
-        while proc.poll() is None and time.monotonic() < deadline:
-            worker = next((pid for pid, title in titles_of(proc.pid).items() if title.startswith("VLLM::Worker")),
-                          None)
-            if worker is not None:
-                Path(f"/proc/{worker}/oom_score_adj").write_text("1000")
-                # What cannot be reclaimed now (anonymous memory and mapped files; the page cache can be).
-                stat = dict(line.split() for line in (child_dir / "memory.stat").read_text().splitlines())
-                limit = int(stat["total_rss"]) + int(stat["total_mapped_file"]) + margin
-                (child_dir / "memory.limit_in_bytes").write_text(str(limit))
-                break
-            time.sleep(0.1)
-        out, err = proc.communicate(timeout=600)
-        oom_kills = int(dict(line.split() for line in (child_dir / "memory.oom_control").read_text().splitlines())
-                        ["oom_kill"])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        shutil.rmtree(short, ignore_errors=True)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        with ChildMemoryCgroup(version) as child:
+            env = {**os.environ, "TMPDIR": str(short), "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "edge_core", "run", "--model", str(SMOLLM2), "--max-model-len", "2048",
+                 "--max-tokens", "8", "--prompt", "Hi", "--distributed-executor-backend", "mp"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=env,
+                preexec_fn=child.enter)
             try:
-                child_dir.rmdir()
-                break
-            except OSError:  # its last processes are still leaving
-                time.sleep(0.5)
+                deadline = time.monotonic() + 600
+                worker = None
+                while proc.poll() is None and time.monotonic() < deadline:
+                    worker = next((pid for pid, title in titles_of(proc.pid).items()
+                                   if title.startswith("VLLM::Worker")), None)
+                    if worker is not None:
+                        Path(f"/proc/{worker}/oom_score_adj").write_text("1000")
+                        limit = child.unreclaimable_bytes() + OOM_MARGIN_BYTES
+                        child.lower_limit(limit)
+                        break
+                    time.sleep(0.1)
+                out, err = proc.communicate(timeout=600)
+                oom_kills = child.oom_kills()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     assert worker is not None and limit is not None, err[-3000:]
     assert oom_kills >= 1, f"the worker was not OOM-killed (oom_kill {oom_kills}): {err[-3000:]}"
     assert proc.returncode == 1, err[-3000:]
     message = err[err.index("edge: vLLM could not start"):] if "edge: vLLM could not start" in err else err
     print(message)  # the report shows it with -rP
     assert f"pid {worker} (VLLM::Worker) was killed by the kernel's OOM killer" in message, message
-    kernel_log = KernelLog(from_end=True)
-    if kernel_log.unreadable is None:  # then it names the victim, and so the signal
-        assert "(SIGKILL): memory cgroup" in message and f'Killed process {worker} (VLLM::Worker)' in message, message
-    else:
-        assert f"the kernel log is not readable here: {kernel_log.unreadable}" in message, message
-    kernel_log.close()
+    assert_the_kernel_log_is_named(message, worker, "VLLM::Worker")
     assert f"hit its limit of {mib(limit)}" in message, message
     assert "oom_kill 0 -> 1 during this session" in message, message
     assert "remedy:" in message and "EDGE_DEBUG" not in message
+    assert "Traceback" not in err
+    assert f"pid {proc.pid} (edge run)" not in err, "the front survived: its reaper said nothing of it"
+
+
+@pytest.mark.vllm
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [1, 2])
+def test_edge_run_oom_killed_with_its_engine_inside_is_named_oom_by_its_reaper(tmp_path, version):
+    # One rank's default: vLLM's engine core and worker inside edge's own process (execution.in_process), so the
+    # OOM killer's victim is edge itself and its session's reaper names the death (reaper.py, FrontDeath) on the
+    # stderr it shares. The limit is lowered once vLLM's engine core begins ("Initializing a V1 LLM engine" in the
+    # engine log: vLLM imported, the weights not loaded) to what the cgroup holds and cannot reclaim plus a margin;
+    # edge, not its reaper, is made the OOM killer's first choice (oom_score_adj 1000). No engine finishes starting.
+    if why := ChildMemoryCgroup.reason(version) or needs_engine():
+        pytest.skip(why)
+    engine_log = tmp_path / "engine.log"
+    limit = None
+    with ChildMemoryCgroup(version) as child:
+        env = {**os.environ, "EDGE_LEDGER_DIR": str(tmp_path / "ledger")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_core", "run", "--model", str(SMOLLM2), "--max-model-len", "2048",
+             "--max-tokens", "8", "--prompt", "Hi", "--engine-log", str(engine_log)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=env,
+            preexec_fn=child.enter)
+        try:
+            deadline = time.monotonic() + 600
+            while proc.poll() is None and time.monotonic() < deadline:
+                if engine_log.exists() and "Initializing a V1 LLM engine" in engine_log.read_text(errors="replace"):
+                    Path(f"/proc/{proc.pid}/oom_score_adj").write_text("1000")
+                    limit = child.unreclaimable_bytes() + OOM_MARGIN_BYTES
+                    child.lower_limit(limit)
+                    break
+                time.sleep(0.05)
+            out, err = proc.communicate(timeout=600)  # to the reaper's end: it holds edge's stderr until it exits
+            oom_kills = child.oom_kills()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert limit is not None, err[-3000:]
+    assert oom_kills >= 1, f"edge was not OOM-killed (oom_kill {oom_kills}): {err[-3000:]}"
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith(f"edge: pid {proc.pid} ")]
+    assert len(said) == 1, err[-3000:]
+    message = said[0]
+    print(message)  # the report shows it with -rP
+    assert message.startswith(f"edge: pid {proc.pid} (edge run) was killed by the kernel's OOM killer"), message
+    assert_the_kernel_log_is_named(message, proc.pid)
+    assert f"hit its limit of {mib(limit)}" in message and child.directory.name in message, message
+    assert "oom_kill 0 -> 1 during this session" in message, message
+    assert "last measured" in message and "vLLM's engine ran inside it and ended with it" in message, message
+    assert "; remedy: the plan admitted " in message and message.endswith(f". The engine log is {engine_log}")
     assert "Traceback" not in err

@@ -208,10 +208,12 @@ def test_a_forced_stop_of_the_server_names_what_it_killed(tmp_path):
         import socket, subprocess, sys
         from edge_core.cli import build_parser
         from edge_core.cli.plan import plan_from_args
+        from edge_core.runtime.reaper import SessionReaper
         from edge_core.runtime.vllm_server import VllmServer
         from edge_core.server import ServerOptions
 
         plan, registry = plan_from_args(build_parser().parse_args(["plan"]))
+        SessionReaper().__enter__()  # the session's: it outlives the forced stop, and says nothing after it
         engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         print(engine.pid, flush=True)
         options = ServerOptions(host="127.0.0.1", port=1, served_model_name="demo", sock=socket.socket())
@@ -224,7 +226,7 @@ def test_a_forced_stop_of_the_server_names_what_it_killed(tmp_path):
                           env={**os.environ, "EDGE_ENGINE_LOG": str(tmp_path / "engine.log")})
     engine = int(proc.stdout.split()[0])
     assert proc.returncode == 130, proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
+    last = proc.stderr.strip().splitlines()[-1]  # read to the reaper's exit: it holds the stderr
     assert last.startswith("edge: forced stop (a second SIGINT): killed ") and f"{engine} (python" in last
     assert "with SIGKILL" in last and f"engine log kept: {tmp_path / 'engine.log'}" in last
     deadline = time.monotonic() + 10

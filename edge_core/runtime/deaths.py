@@ -29,11 +29,17 @@ request, a server whose engine stopped, a node's workers) asks it for one
 :meth:`EngineDeaths.describe` is the sentence an error carries: the process
 (pid and title), the signal or exit, the cgroup's limit and OOM count when it
 was the OOM killer, what was measured last, and the remedy.
+
+An engine inside this process (one vLLM CPU rank) dies with it, and then
+nothing here is left to speak: the session's reaper names that death
+(:class:`~.reaper.FrontDeath`). The watch leaves it what it knows first
+(:func:`front_facts`: the cgroup's counter and limit files, found here, the
+plan's admission) and every memory reading after; the kernel-log reader, the
+zombie's status and the words are the reaper's, which imports nothing of edge.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import select
@@ -49,41 +55,30 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ..errors import EngineDied, StageError
+from ..services.host_ledger import current as current_registration
+from .logs import EngineLog
+from .reaper import (
+    CGROUP_UNLIMITED,
+    KMSG_PATH,
+    SIGNAL_MEANINGS,
+    KernelKill,
+    KernelLog,
+    last_measured_words,
+    mib,
+    not_oom_evidence,
+    oom_remedy,
+    oom_words,
+    signal_name,
+    zombie_returncode,
+)
 
 if TYPE_CHECKING:
     from ..plans import Plan
-    from .logs import EngineLog
-    from .measure import ProcessTreeSampler, SeenProcess
+    from .measure import ProcessTreeSampler, Sample, SeenProcess
+    from .reaper import SessionReaper
 
-#: The kernel's log, one record per read.
-KMSG_PATH = "/dev/kmsg"
-#: cgroup v1 reports "no limit" as a huge page-aligned number; anything above this is unlimited.
-CGROUP_UNLIMITED = 1 << 60
-#: The most kernel-log records one account reads (a host whose log floods still answers).
-KMSG_READ_LIMIT = 100_000
-#: Signals an engine process dies of: what each usually means here, and what to do.
-SIGNAL_MEANINGS = {
-    "SIGILL": "an instruction the CPU refused; on AMX CPUs vLLM CPU's kernels without AMX permission: keep edge-cpu "
-              "installed in this venv (its vLLM plugin asks for it) and VLLM_PLUGINS naming edge_cpu_amx if set",
-    "SIGKILL": "killed from outside: the OOM killer, a cgroup memory limit, or a user",
-    "SIGSEGV": "a crash in native code; report it to vLLM with the engine log",
-    "SIGABRT": "native code aborted (an assertion in a kernel or library); the engine log names it",
-    "SIGBUS": "a bad memory access, often a truncated memory-mapped checkpoint file; re-download the weights",
-}
-#: The kernel's OOM-kill line: "Memory cgroup out of memory: Killed process 4122 (VLLM::Worker) total-vm:...".
-KERNEL_KILL = re.compile(r"(?P<scope>Memory cgroup out of memory|Out of memory)[^:]*: Killed process (?P<pid>\d+) "
-                         r"\((?P<name>[^)]*)\)")
-#: The kernel's summary line before it: "oom-kill:constraint=...,oom_memcg=/a/b,task_memcg=/a/b,task=x,pid=4122,...".
-KERNEL_OOM_MEMCG = re.compile(r"oom-kill:.*\boom_memcg=(?P<memcg>[^,]*),.*\bpid=(?P<pid>\d+)")
 #: vLLM's executor reporting a worker's death (docs/vllm-cpu-facts.md, "A worker's death").
 WORKER_DEATH = re.compile(r"Worker proc (?P<name>\S+) died unexpectedly \(exit code: (?P<code>-?\d+|None)\)")
-
-MIB = 1 << 20
-
-
-def mib(value: int | None) -> str:
-    return "?" if value is None else f"{value / MIB:,.0f} MiB"
-
 
 def describe_exit_code(code: int) -> str:
     """``exit 1``, or for a negative code ``killed by SIGILL (what that usually means)``."""
@@ -94,15 +89,6 @@ def describe_exit_code(code: int) -> str:
             return f"killed by signal {-code}"
         return f"killed by {name} ({SIGNAL_MEANINGS.get(name, 'a signal')})"
     return f"exit {code}"
-
-
-def signal_name(code: int | None) -> str | None:
-    if code is None or code >= 0:
-        return None
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
 
 
 # ---------------------------------------------------------------- the memory cgroup
@@ -129,6 +115,12 @@ class CgroupMemory:
     under_oom: bool | None = None
     #: Times usage hit the limit (v1 ``memory.failcnt``, v2 ``memory.events`` ``max``).
     failcnt: int | None = None
+    #: Where each figure is read, so another process can read it again (the session's reaper,
+    #: :func:`front_facts`): (cgroup path, file) of each ``oom_kill`` count, in ``oom_kills``' order; of each
+    #: level's limit file, nearest first; and (file, key or None for a bare number) of ``failcnt``.
+    oom_kill_files: tuple[tuple[str, str], ...] = ()
+    limit_files: tuple[tuple[str, str], ...] = ()
+    failcnt_file: tuple[str, str | None] | None = None
 
     def oom_kill_count(self, path: str | None = None) -> int | None:
         """The ``oom_kill`` count of ``path`` (default: the cgroup itself, else the nearest ancestor that shows one)."""
@@ -244,8 +236,8 @@ def read_cgroup_memory(root: str | os.PathLike[str] = "/", pid: str = "self") ->
         own_path, own = lineage[0]
         control = _keyed(_read(own / "memory.oom_control"))
         if control or _read(own / "memory.usage_in_bytes") is not None:
-            limits = [(p, value) for p, d in lineage
-                      if (value := _int(_read(d / "memory.limit_in_bytes"))) is not None and value < CGROUP_UNLIMITED]
+            levels = [(p, d / "memory.limit_in_bytes") for p, d in lineage]
+            limits = [(p, value) for p, f in levels if (value := _int(_read(f))) is not None and value < CGROUP_UNLIMITED]
             binding = min(limits, key=lambda item: item[1]) if limits else (None, None)
             return CgroupMemory(
                 version=1, path=paths["v1"], directory=str(own), limit_bytes=binding[1], limit_path=binding[0],
@@ -253,7 +245,10 @@ def read_cgroup_memory(root: str | os.PathLike[str] = "/", pid: str = "self") ->
                 max_usage_bytes=_int(_read(own / "memory.max_usage_in_bytes")),
                 oom_kills=((own_path, control["oom_kill"]),) if "oom_kill" in control else (),
                 under_oom=bool(control["under_oom"]) if "under_oom" in control else None,
-                failcnt=_int(_read(own / "memory.failcnt")))
+                failcnt=_int(_read(own / "memory.failcnt")),
+                oom_kill_files=((own_path, str(own / "memory.oom_control")),) if "oom_kill" in control else (),
+                limit_files=tuple((p, str(f)) for p, f in levels if f.exists()),
+                failcnt_file=(str(own / "memory.failcnt"), None))
     if "v2" in paths and "v2" in mounts:
         lineage = _lineage(base, mounts["v2"], paths["v2"])
         shown = [(p, d, events) for p, d in lineage if (events := _read(d / "memory.events")) is not None]
@@ -267,127 +262,19 @@ def read_cgroup_memory(root: str | os.PathLike[str] = "/", pid: str = "self") ->
         binding = min(limits, key=lambda item: item[1]) if limits else (None, None)
         own_path, own = lineage[0]
         own_events = _keyed(shown[0][2]) if shown[0][0] == own_path else {}
+        counted = [(p, d, counts["oom_kill"]) for p, d, events in shown if "oom_kill" in (counts := _keyed(events))]
         return CgroupMemory(
             version=2, path=paths["v2"], directory=str(own), limit_bytes=binding[1], limit_path=binding[0],
             usage_bytes=_int(_read(own / "memory.current")), max_usage_bytes=_int(_read(own / "memory.peak")),
-            oom_kills=tuple((p, counts["oom_kill"]) for p, _, events in shown
-                            if "oom_kill" in (counts := _keyed(events))),
-            failcnt=own_events.get("max"))
+            oom_kills=tuple((p, count) for p, _, count in counted),
+            failcnt=own_events.get("max"),
+            oom_kill_files=tuple((p, str(d / "memory.events")) for p, d, _ in counted),
+            limit_files=tuple((p, str(d / "memory.max")) for p, d in lineage if (d / "memory.max").exists()),
+            failcnt_file=(str(own / "memory.events"), "max") if own_events else None)
     return None
 
 
-# ---------------------------------------------------------------- the kernel's log
-
-
-@dataclass(frozen=True)
-class KernelKill:
-    """One OOM kill the kernel logged."""
-
-    pid: int
-    #: The kernel's name for the process (its ``comm``: at most 15 characters, e.g. ``VLLM::EngineCor``).
-    name: str
-    #: ``cgroup`` (a memory cgroup hit its limit) or ``host`` (the whole machine ran out).
-    scope: str
-    #: The cgroup whose limit was hit, where the kernel said (``oom_memcg=``).
-    memcg: str | None
-    line: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "name": self.name, "scope": self.scope, "memcg": self.memcg, "line": self.line}
-
-
-class KernelLog:
-    """The kernel's OOM-kill records written after this was opened (``/dev/kmsg``), where the log is readable.
-
-    ``unreadable`` says why not (``/dev/kmsg: Operation not permitted`` under ``dmesg_restrict``). With
-    ``from_end=False`` every record still in the ring is read (an account made without a watch).
-    """
-
-    def __init__(self, path: str = KMSG_PATH, *, from_end: bool = True):
-        self.path = path
-        self.unreadable: str | None = None
-        self._fd: int | None = None
-        self._kills: dict[int, KernelKill] = {}
-        self._memcg: dict[int, str] = {}
-        self._partial = ""
-        self._lock = threading.Lock()
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            self.unreadable = f"{path}: {exc.strerror or exc}"
-            return
-        if from_end:
-            try:
-                os.lseek(fd, 0, os.SEEK_END)
-            except OSError:
-                pass
-        self._fd = fd
-
-    def kills(self) -> dict[int, KernelKill]:
-        """Every OOM kill logged since this was opened, by pid."""
-        with self._lock:
-            if self._fd is not None:
-                self._read_new()
-            return dict(self._kills)
-
-    def _read_new(self) -> None:
-        assert self._fd is not None
-        for _ in range(KMSG_READ_LIMIT):
-            try:
-                data = os.read(self._fd, 16384)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno == errno.EPIPE:  # the ring overwrote records we had not read: go on from the oldest
-                    continue
-                self.unreadable = f"{self.path}: {exc.strerror or exc}"
-                break
-            if not data:
-                break
-            text = self._partial + data.decode("utf-8", errors="replace")
-            lines = text.split("\n")
-            self._partial = lines.pop()
-            for line in lines:
-                self._parse(line)
-        if self._partial and ";" in self._partial:  # a file without a last newline: take it as a record
-            self._parse(self._partial)
-            self._partial = ""
-
-    def _parse(self, record: str) -> None:
-        if not record or record.startswith(" "):  # a record's continuation (KEY=value) lines
-            return
-        message = record.split(";", 1)[1] if ";" in record.split(" ", 1)[0] else record
-        memcg = KERNEL_OOM_MEMCG.search(message)
-        if memcg:
-            self._memcg[int(memcg["pid"])] = memcg["memcg"]
-        kill = KERNEL_KILL.search(message)
-        if kill:
-            pid = int(kill["pid"])
-            self._kills[pid] = KernelKill(pid=pid, name=kill["name"], memcg=self._memcg.get(pid),
-                                          scope="cgroup" if kill["scope"].startswith("Memory cgroup") else "host",
-                                          line=message.strip())
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-
-
 # ---------------------------------------------------------------- exit statuses
-
-
-def zombie_returncode(pid: int, proc_root: str | os.PathLike[str] = "/proc") -> int | None:
-    """A dead process's wait status as Popen's returncode (-N: signal N), read from its zombie's ``stat`` (field 52,
-    ``exit_code``, Linux >= 3.5); None when it is not a zombie (still running, or its parent has reaped it)."""
-    text = _read(Path(proc_root) / str(pid) / "stat")
-    if not text or ")" not in text:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    if len(fields) < 50 or fields[0] not in ("Z", "X") or not fields[49].lstrip("-").isdigit():
-        return None
-    status = int(fields[49])
-    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
 
 
 @dataclass(frozen=True)
@@ -627,24 +514,13 @@ class EngineDeaths:
 
     def _how(self, death: ProcessDeath) -> str:
         if death.oom:
-            by = f" ({death.signal})" if death.signal else ""
-            evidence = []
+            after = self.cgroup_after
             rises = self.oom_rises
-            if rises:
-                path, before, after = rises[0]
-                evidence.append(f"oom_kill {before} -> {after} during this session")
-            if self.cgroup_after is not None and self.cgroup_after.failcnt:
-                evidence.append(f"failcnt {self.cgroup_after.failcnt:,}")
-            kill = death.kernel_kill
-            where = ("the host ran out of memory" if kill is not None and kill.scope == "host"
-                     else f"memory cgroup {self._cgroup_name(kill)} hit {self._limit_words()}")
-            text = (f"{death.name} was killed by the kernel's OOM killer{by}: {where}"
-                    + (f" ({', '.join(evidence)})" if evidence else ""))
-            if kill is not None:
-                text += f"; the kernel log: \"{kill.line[:240]}\""
-            elif self.kernel_log_unreadable:
-                text += f" (the kernel log is not readable here: {self.kernel_log_unreadable})"
-            return text
+            return oom_words(death.name, death.signal, kill=death.kernel_kill,
+                             cgroup="?" if after is None else after.limit_path or after.path,
+                             limit_bytes=after.limit_bytes if after is not None else None,
+                             rise=rises[0] if rises else None, failcnt=after.failcnt if after is not None else None,
+                             kernel_log_unreadable=self.kernel_log_unreadable)
         name = death.signal
         if death.returncode is None:
             return (f"{death.name} ended under the engine, its exit status collected before edge could read it; not "
@@ -660,30 +536,8 @@ class EngineDeaths:
     def _not_oom_clause(self) -> str:
         """`` (the evidence)``: the cgroup's unchanged count, and the kernel log's silence or why it was not read."""
         after = self.cgroup_after
-        if after is None:
-            counted = "this process has no memory cgroup"
-        else:
-            count = after.oom_kill_count()
-            counted = (f"the cgroup's oom_kill count stayed {count}" if count is not None
-                       else "the cgroup shows no oom_kill count")
-        if self.kernel_log_unreadable:
-            return f" ({counted}; the kernel log, which would name an OOM kill, is not readable here: " \
-                   f"{self.kernel_log_unreadable})"
-        return f" ({counted}, and the kernel log names no OOM kill of it)"
-
-    def _cgroup_name(self, kill: KernelKill | None) -> str:
-        if kill is not None and kill.memcg:
-            return kill.memcg
-        after = self.cgroup_after
-        if after is None:
-            return "?"
-        return after.limit_path or after.path
-
-    def _limit_words(self) -> str:
-        after = self.cgroup_after
-        if after is None or after.limit_bytes is None:
-            return "its limit"
-        return f"its limit of {mib(after.limit_bytes)}"
+        return not_oom_evidence(after.oom_kill_count() if after is not None else None, has_cgroup=after is not None,
+                                kernel_log_unreadable=self.kernel_log_unreadable)
 
     def _limit_clause(self) -> str:
         after = self.cgroup_after
@@ -693,33 +547,19 @@ class EngineDeaths:
         seen = death.seen
         if seen is None:
             return ""
-        age = max(0.0, (death.at_s or self.at_s) - seen.last_seen_s)
-        own = f", {death.title or 'it'} {mib(seen.pss_bytes)}" if seen.pss_bytes else ""
-        return (f"last measured {age:.1f} s before it ended: the session's process tree at "
-                f"{mib(seen.tree_pss_bytes)} PSS, {mib(seen.tree_rss_bytes)} RSS{own}")
+        return last_measured_words((death.at_s or self.at_s) - seen.last_seen_s, seen.tree_pss_bytes,
+                                   seen.tree_rss_bytes, death.title, seen.pss_bytes)
 
     def remedy(self) -> str:
         """What to do, for the first death's cause."""
         first = self.deaths[0] if self.deaths else None
         if self.oom:
             kill = first.kernel_kill if first is not None else None
-            if kill is not None and kill.scope == "host":
-                return ("remedy: free memory on this host (stop other processes) or plan a smaller session: a shorter "
-                        "--max-model-len or fewer --max-num-seqs shrink the KV pool; `edge plan` shows what fits")
-            limit = self.cgroup_after.limit_bytes if self.cgroup_after is not None else None
-            smaller = ("a shorter --max-model-len or fewer --max-num-seqs shrink the KV pool; `edge plan` shows "
-                       "what fits")
-            if self.admission_bytes is None or limit is None:
-                return f"remedy: raise the memory limit or plan a smaller session: {smaller}"
-            admitted = (f"the plan admitted {mib(self.admission_bytes)} (held peak {mib(self.held_bytes)} "
-                        f"+ headroom {mib(self.headroom_bytes)})")
-            if self.admission_bytes > limit:
-                return (f"remedy: {admitted}, more than this limit of {mib(limit)}: raise the cgroup's memory limit to "
-                        f"at least {mib(self.admission_bytes)}, or plan a smaller session: {smaller}")
-            before = self.cgroup_before.usage_bytes if self.cgroup_before is not None else None
-            return (f"remedy: {admitted}, within this limit of {mib(limit)}; the cgroup already held {mib(before)} "
-                    "before this session: stop what else runs in it, or plan a smaller session: " + smaller
-                    + "; if nothing else ran there the plan under-predicted: report it with `edge plan --json`")
+            return oom_remedy(host=kill is not None and kill.scope == "host",
+                              limit_bytes=self.cgroup_after.limit_bytes if self.cgroup_after is not None else None,
+                              admission_bytes=self.admission_bytes, held_bytes=self.held_bytes,
+                              headroom_bytes=self.headroom_bytes,
+                              usage_before_bytes=self.cgroup_before.usage_bytes if self.cgroup_before else None)
         if first is None:
             return ""
         name = first.signal
@@ -743,36 +583,78 @@ class EngineDeaths:
         }
 
 
+def front_facts(plan: Plan | None, cgroup: CgroupMemory | None) -> dict[str, Any]:
+    """What the session's reaper needs to name this process's own death (:class:`~.reaper.FrontDeath`), as JSON.
+
+    ``name`` (the command, ``edge run``, as the host ledger records it),
+    ``running`` (the model and device) and ``in_process`` (the engine runs in
+    this process), the memory ``cgroup`` — its path, each ``oom_kill`` counter
+    file with its count now, each level's limit file, the ``failcnt`` file,
+    what it held before the session (``usage_before_bytes``) — the ``plan``'s
+    admission, and the ``engine_log``. The reaper reads the files again when
+    this process dies; it finds none of them itself.
+    """
+    registration = current_registration()
+    facts: dict[str, Any] = {"name": registration.record.command if registration is not None else "edge",
+                             "running": None, "in_process": False, "cgroup": None, "plan": None,
+                             "engine_log": EngineLog.from_environ().path}
+    if plan is not None:
+        device = plan.selected_device
+        facts["running"] = f"{Path(plan.model_path).name}" + (f" on {device.device_id}" if device is not None else "")
+        facts["in_process"] = bool(plan.execution is not None and plan.execution.in_process)
+        if plan.peak is not None:
+            facts["plan"] = {"admission_bytes": plan.peak.admission_bytes, "held_bytes": plan.peak.held_bytes,
+                             "headroom_bytes": plan.peak.headroom_bytes}
+    if cgroup is not None:
+        facts["cgroup"] = {
+            "path": cgroup.path,
+            "oom_kill": [[path, file, count] for (path, file), (_, count) in zip(cgroup.oom_kill_files,
+                                                                                 cgroup.oom_kills)],
+            "limits": [list(level) for level in cgroup.limit_files],
+            "failcnt": list(cgroup.failcnt_file) if cgroup.failcnt_file is not None else None,
+            "usage_before_bytes": cgroup.usage_bytes}
+    return facts
+
+
 class DeathWatch:
     """What a session knows before its engine can die, so a death can be named; use as a context manager.
 
     Entering reads the memory cgroup's counters, opens the kernel log at its
     end and starts the :class:`ExitRecorder` (``recorder``, default a new one)
-    on every process ``sampler`` finds. ``root``, ``kmsg_path`` and
-    ``proc_root`` replace ``/``, ``/dev/kmsg`` and ``/proc`` (tests use fakes). :meth:`account` (or the module's :func:`account`, which asks the
-    innermost watch) is the one way a death is described.
+    on every process ``sampler`` finds. With the session's ``reaper``, it also
+    leaves the reaper what it needs to name this process's own death
+    (:func:`front_facts`, then the sampler's every reading): an engine inside
+    this process dies with it. ``root``, ``kmsg_path`` and ``proc_root``
+    replace ``/``, ``/dev/kmsg`` and ``/proc`` (tests use fakes). :meth:`account`
+    (or the module's :func:`account`, which asks the innermost watch) is the
+    one way a death is described.
     """
 
     def __init__(self, plan: Plan | None = None, sampler: ProcessTreeSampler | None = None, *,
                  root: str | os.PathLike[str] = "/", kmsg_path: str = KMSG_PATH,
                  proc_root: str | os.PathLike[str] = "/proc", baseline: bool = True,
-                 recorder: ExitRecorder | None = None):
+                 recorder: ExitRecorder | None = None, reaper: SessionReaper | None = None):
         self.plan = plan
         self.sampler = sampler
         self.root = root
         self.kmsg_path = kmsg_path
         self.proc_root = proc_root
         self.baseline = baseline
+        self.reaper = reaper
         self.cgroup_before: CgroupMemory | None = None
         self.kernel_log: KernelLog | None = None
         self.recorder: ExitRecorder | None = recorder
         self._previous_listener: Any = None
+        self._previous_on_sample: Any = None
 
     def __enter__(self) -> DeathWatch:
         self.cgroup_before = read_cgroup_memory(self.root) if self.baseline else None
         self.kernel_log = KernelLog(self.kmsg_path, from_end=self.baseline)
         if self.recorder is None:
             self.recorder = ExitRecorder(self.proc_root)
+        reaper = self.reaper
+        if reaper is not None:
+            reaper.tell("facts", front_facts(self.plan, self.cgroup_before))
         sampler = self.sampler
         if sampler is not None:
             previous = self._previous_listener = sampler.on_new_process
@@ -786,6 +668,15 @@ class DeathWatch:
             sampler.on_new_process = listener
             for pid in sampler.seen():
                 recorder.watch(pid)
+            if reaper is not None:
+                previous_on_sample = self._previous_on_sample = sampler.on_sample
+
+                def on_sample(sample: Sample) -> None:
+                    reaper.tell("reading", reading_of(sample))
+                    if previous_on_sample is not None:
+                        previous_on_sample(sample)
+
+                sampler.on_sample = on_sample
         _WATCHES.append(self)
         return self
 
@@ -794,6 +685,8 @@ class DeathWatch:
             _WATCHES.remove(self)
         if self.sampler is not None:
             self.sampler.on_new_process = self._previous_listener
+            if self.reaper is not None:
+                self.sampler.on_sample = self._previous_on_sample
         if self.recorder is not None:
             self.recorder.close()
         if self.kernel_log is not None:
@@ -892,17 +785,24 @@ def account(exits: Mapping[int, int] | None = None, engine_log: EngineLog | None
         return bare.account(exits, engine_log)
 
 
+def reading_of(sample: Sample) -> dict[str, Any]:
+    """One sample as the reaper's note keeps it: when (monotonic seconds), the tree's PSS and RSS, this process's PSS."""
+    return {"at_s": sample.monotonic_s, "tree_pss_bytes": sample.tree_pss_bytes,
+            "tree_rss_bytes": sample.tree_rss_bytes, "own_pss_bytes": dict(sample.process_pss_bytes).get(os.getpid())}
+
+
 @contextmanager
-def sampled_watch(plan: Plan | None = None) -> Iterator[DeathWatch]:
+def sampled_watch(plan: Plan | None = None, reaper: SessionReaper | None = None) -> Iterator[DeathWatch]:
     """A :class:`DeathWatch` with a memory sampler of its own on this process's tree, for an engine started
-    outside :class:`~edge_core.runtime.session.StageSession` (a headless node's ranks, parity's reference)."""
+    outside :class:`~edge_core.runtime.session.StageSession` (a headless node's ranks, parity's reference);
+    ``reaper``, the session's, is told what names this process's own death."""
     from .measure import DEFAULT_PERIOD_S, ProcessTreeSampler
 
     sampler = ProcessTreeSampler(os.getpid(), DEFAULT_PERIOD_S)
     sampler.baseline()
     sampler.start()
     try:
-        with DeathWatch(plan, sampler) as watch:
+        with DeathWatch(plan, sampler, reaper=reaper) as watch:
             yield watch
     finally:
         sampler.stop()

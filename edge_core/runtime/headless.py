@@ -68,7 +68,7 @@ def run_headless(plan: Plan, registry: Registry, lifeline: Lifeline | None, *, o
     reaper = SessionReaper().__enter__()
     before = set(children())  # the reaper is not the engine's: it outlives the stop to check on it
     try:
-        with TerminationAsInterrupt(), sampled_watch(plan):  # the watch names a worker that dies
+        with TerminationAsInterrupt(), sampled_watch(plan, reaper):  # the watch names a worker that dies
             try:
                 executor = start_ranks(plan, log, said)
                 ready_s = time.monotonic() - started

@@ -270,7 +270,7 @@ class ProcessTreeSampler:
     replaces ``/proc`` for reading ``smaps_rollup``, ``cmdline`` and ``meminfo``
     (tests use a fake tree); the process tree itself is walked with psutil.
     ``on_new_process`` is called (from the sampling thread) with each pid the
-    first time a sample finds it.
+    first time a sample finds it, ``on_sample`` with every sample.
     """
 
     def __init__(
@@ -283,6 +283,7 @@ class ProcessTreeSampler:
         proc_root: str | os.PathLike[str] = "/proc",
         on_new_process: Callable[[int], None] | None = None,
         pss_max_age_s: float = PSS_MAX_AGE_S,
+        on_sample: Callable[[Sample], None] | None = None,
     ):
         if period_s <= 0:
             raise ValueError(f"period_s must be > 0, got {period_s}")
@@ -292,6 +293,7 @@ class ProcessTreeSampler:
         self.device_source = device_source
         self.proc_root = Path(proc_root)
         self.on_new_process = on_new_process
+        self.on_sample = on_sample
         self.pss_max_age_s = pss_max_age_s
         #: pid -> (PSS, RSS, monotonic seconds) at its last smaps_rollup read.
         self._pss_read: dict[int, tuple[int, int, float]] = {}
@@ -367,6 +369,12 @@ class ProcessTreeSampler:
         self._remember(sample, rss_of)
         for pid in set(self._pss_read) - set(rss_of):
             del self._pss_read[pid]  # gone: a reused pid starts afresh
+        if self.on_sample is not None:
+            try:
+                self.on_sample(sample)
+            except Exception:  # noqa: BLE001 — a listener's failure must not stop the sampling
+                with self._cond:
+                    self._errors += 1
         return sample
 
     def _pss(self, pid: int, rss: int, now: float) -> int | None:

@@ -117,7 +117,7 @@ def _reference_run(registry: Registry, plan: Plan, reference: Plan, max_tokens: 
     assert ref_device is not None
     environ = dict(os.environ)
     with said.step(f"the runtime alone ({layout_label(reference)}): {len(PROMPTS)} prompts x {max_tokens} "
-                   "greedy tokens"), SessionReaper(), sampled_watch(reference):  # the watch names a death
+                   "greedy tokens"), SessionReaper() as reaper, sampled_watch(reference, reaper):  # names a death
         try:
             plain_ids, plain_info = registry.call_owner(ref_device, "reference_token_ids", plan=reference,
                                                         prompts=list(PROMPTS), max_tokens=max_tokens)

@@ -386,7 +386,7 @@ class StageSession:
         self.sampler.baseline()  # before the runtime is imported: everything above it is the session's
         self.sampler.start()
         undo.callback(self._stop_sampler)
-        undo.enter_context(DeathWatch(self.plan, self.sampler))
+        undo.enter_context(DeathWatch(self.plan, self.sampler, reaper=self.reaper))
 
     def _start(self) -> None:
         """``start_stage``, timed; then the host ledger's record (``edge ps``) says the stage is up."""
