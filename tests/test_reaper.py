@@ -502,7 +502,8 @@ def test_kill_9_of_edge_run_leaves_no_engine_process(started):
     started.add(proc.pid)
     assert proc.stdout is not None and proc.stderr is not None
     err: list[bytes] = []
-    threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, b"")), daemon=True).start()
+    reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, b"")), daemon=True)
+    reader.start()
     try:
         seen = b""
         while not seen.partition(b"nothing loaded")[2].strip():  # the plan, then streamed text: the engine is up
@@ -529,6 +530,13 @@ def test_kill_9_of_edge_run_leaves_no_engine_process(started):
         print(f"engine gone {time.monotonic() - killed_at:.1f} s after kill -9 of the front")
         assert marked_processes(session) == []
         assert [pid for pid, t in engine if running(pid, t)] == []
+        reader.join(DEADLINE_S)  # to EOF: the reaper, the last holder of edge's stderr, has exited
+        said = [line.decode() for line in err if line.startswith(f"edge: pid {proc.pid} (edge run)".encode())]
+        assert len(said) == 1, b"".join(err).decode()[-3000:]
+        print(said[0])
+        # This test reaps edge at once, so the reaper may or may not have read its signal first; either way, no OOM.
+        assert "not by the OOM killer (the cgroup's oom_kill count stayed " in said[0], said[0]
+        assert all(f"pid {pid} (" in said[0].partition("its engine processes were ended: ")[2] for pid, _ in engine)
     finally:
         if proc.poll() is None:
             proc.kill()
