@@ -97,7 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.json:
         print_plan(plan, plan_s, explain=args.explain)
         held = plan.kv.pool.full_length_sequences if plan.kv is not None and plan.kv.pool is not None else 0
-        print(f"  serve     up to {plan.session.max_num_seqs} sequences at once (--max-num-seqs), the rest waiting; "
+        print(f"  serve     up to {plan.session.max_num_seqs} sequences at once (--max-num-seqs), the rest waiting, "
+              f"{plan.session.max_connections} requests open at most (--max-connections; one more is answered 503); "
               f"the KV pool holds {held} of {plan.session.max_model_len:,} tokens at full context, and a pool "
               f"holding {fit} would fit on {device.device_id} (--kv-cache-memory)", flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(manifest.path))
