@@ -19,7 +19,9 @@ already running at ``--url``) and runs ``--clients`` concurrent clients for
   (one such request every 2 s per client).
 
 Every request ends as exactly one of: ``completed`` (a finish reason and
-``[DONE]``), ``refused`` (a 4xx/5xx whose body says why), ``disconnected``
+``[DONE]``), ``refused`` (a 4xx/5xx whose body says why: an over-long
+prompt's 400, or the 503 of a server at its ``--max-connections``, after
+which that client waits the ``Retry-After`` it was given), ``disconnected``
 (ours, on purpose), ``lost`` (a connection error, a stream cut without a
 finish, an error without a reason) or ``hung`` (no end within
 ``--request-timeout``); lost and hung must be 0. After the duration no new
@@ -239,6 +241,7 @@ class Outcome:
     total_s: float | None = None
     tokens: int = 0
     started_s: float = 0.0
+    retry_after_s: float | None = None
 
 
 @dataclass
@@ -303,6 +306,8 @@ class Load:
         try:
             result.status = response.status
             if response.status >= 400:
+                retry = response.headers.get("Retry-After")
+                result.retry_after_s = float(retry) if retry and retry.isdigit() else None
                 text = await response.text()
                 try:
                     message = json.loads(text).get("error", {}).get("message") or json.loads(text).get("message")
@@ -386,7 +391,9 @@ class Load:
         while time.monotonic() < until:
             outcome = await self.one(session, kind, rng)
             self.outcomes.append(outcome)
-            if kind == "too_long":
+            if outcome.status == 503 and outcome.outcome == "refused":  # the server at its connection cap
+                await asyncio.sleep(outcome.retry_after_s or 1.0)
+            elif kind == "too_long":
                 await asyncio.sleep(2.0)
 
     async def run(self, clients: int, duration_s: float, seed: int) -> float:
@@ -464,7 +471,8 @@ def summarise(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
     streams = [o for o in outcomes if o.outcome == "completed" and o.kind in ("stream", "slow")]
     fast = [o for o in streams if o.kind == "stream"]
     tokens = sum(o.tokens for o in outcomes if o.outcome == "completed")
-    too_long = [o for o in outcomes if o.kind == "too_long"]
+    too_long = [o for o in outcomes if o.kind == "too_long" and o.status != 503]  # a 503: never read, at the cap
+    at_cap = [o for o in outcomes if o.outcome == "refused" and o.status == 503]
     return {
         "requests": len(outcomes),
         "outcomes": dict(counts),
@@ -476,9 +484,12 @@ def summarise(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
         "completed_tokens": tokens,
         "client_tokens_per_s": tokens / wall_s if wall_s else None,
         "too_long_refused_4xx": sum(1 for o in too_long if o.outcome == "refused" and o.status and 400 <= o.status < 500),
+        "refused_at_cap_503": len(at_cap),
+        "refused_at_cap_reason": next((o.reason for o in at_cap), None),
         "too_long": len(too_long),
         "too_long_reason": next((o.reason for o in too_long if o.reason), None),
-        "unexpected_refusals": [asdict(o) for o in outcomes if o.outcome == "refused" and o.kind != "too_long"][:10],
+        "unexpected_refusals": [asdict(o) for o in outcomes if o.outcome == "refused" and o.kind != "too_long"
+                                and o.status != 503][:10],
         "lost": [asdict(o) for o in outcomes if o.outcome == "lost"][:20],
         "hung": [asdict(o) for o in outcomes if o.outcome == "hung"][:20],
     }
@@ -577,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         disconnected = counts.get("disconnected", 0)
         if counts.get("lost") or counts.get("hung"):
             failures.append(f"lost {counts.get('lost', 0)}, hung {counts.get('hung', 0)} (must be 0)")
+        if summary["unexpected_refusals"]:
+            failures.append(f"{len(summary['unexpected_refusals'])}+ requests refused that should have been "
+                            f"served: {summary['unexpected_refusals'][0]['reason']}")
         if summary["too_long"] != summary["too_long_refused_4xx"]:
             failures.append(f"{summary['too_long'] - summary['too_long_refused_4xx']} over-long prompts not refused "
                             "with a 4xx that says why")
@@ -630,6 +644,8 @@ def print_table(report: dict[str, Any]) -> None:
                      f"{counts.get('refused', 0)}, disconnected by the client {counts.get('disconnected', 0)}, "
                      f"lost {counts.get('lost', 0)}, hung {counts.get('hung', 0)}"),
         ("by client kind", "; ".join(f"{k} {dict(v)}" for k, v in soak["by_kind"].items())),
+        ("refused at the connection cap", f"{soak['refused_at_cap_503']} with 503 (each client then waited its "
+                                          f"Retry-After): \"{(soak['refused_at_cap_reason'] or '')[:160]}\""),
         ("over-long prompts", f"{soak['too_long_refused_4xx']} of {soak['too_long']} refused 4xx: "
                               f"\"{(soak['too_long_reason'] or '')[:120]}\""),
         ("disconnects aborted in vLLM", f"{report['vllm']['tokens_after_clients_left']:.0f} tokens generated after "

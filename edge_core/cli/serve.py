@@ -26,8 +26,9 @@ from .run import engine_log_from, engine_log_options, headless, joined_nodes, pl
 SERVE_MAX_NUM_SEQS = 8
 #: Seconds in-flight requests may finish after SIGTERM/SIGINT before they are aborted.
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
-#: Requests to the model held open at once unless --max-connections says otherwise (docs/benchmarks.md, "What an
-#: open connection costs"): eight times --max-num-seqs waiting, for a few KiB each.
+#: Requests to the model held open at once unless --max-connections says otherwise (or twice --max-num-seqs, where
+#: that is more): 8 running and 56 waiting; 3 MiB reserved at short prompts, 48 MiB at SmolLM2's 8,192 tokens
+#: (docs/benchmarks.md, "What an open connection costs").
 SERVE_MAX_CONNECTIONS = 64
 
 
@@ -54,10 +55,11 @@ def add_serve_command(sub: Any) -> None:
     serve.add_argument("--api-key", metavar="KEY", default=os.environ.get("EDGE_API_KEY"),
                        help="require this bearer key on /v1 and /edge (passed to vLLM's server; env EDGE_API_KEY); "
                             "a browser gives it to /edge/ as ?key=KEY")
-    serve.add_argument("--max-connections", type=positive_int, default=SERVE_MAX_CONNECTIONS, metavar="N",
+    serve.add_argument("--max-connections", type=positive_int, metavar="N",
                        help=f"requests to the model held open at once: running, queued behind --max-num-seqs or "
-                            f"streaming (default {SERVE_MAX_CONNECTIONS}); one more is answered 503 with the reason "
-                            "at once. The plan reserves memory for each; GET endpoints are not counted")
+                            f"streaming (default {SERVE_MAX_CONNECTIONS}, or twice --max-num-seqs where that is "
+                            "more); one more is answered 503 with the reason at once. The plan reserves memory for "
+                            "each; GET endpoints are not counted")
     serve.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
                        help=f"seconds in-flight requests may finish after a stop signal (default "
                             f"{DEFAULT_DRAIN_TIMEOUT_S:g})")
@@ -66,6 +68,8 @@ def add_serve_command(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.max_connections is None:  # as many may wait as run, at least
+        args.max_connections = default_max_connections(args.max_num_seqs)
     plan, registry, plan_s = plan_here(args)
     if headless(args):
         return run_node(args, plan, registry, plan_s, "serve")
@@ -93,7 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.json:
         print_plan(plan, plan_s, explain=args.explain)
         held = plan.kv.pool.full_length_sequences if plan.kv is not None and plan.kv.pool is not None else 0
-        print(f"  serve     up to {plan.session.max_num_seqs} sequences at once (--max-num-seqs), the rest waiting; "
+        print(f"  serve     up to {plan.session.max_num_seqs} sequences at once (--max-num-seqs), the rest waiting, "
+              f"{plan.session.max_connections} requests open at most (--max-connections; one more is answered 503); "
               f"the KV pool holds {held} of {plan.session.max_model_len:,} tokens at full context, and a pool "
               f"holding {fit} would fit on {device.device_id} (--kv-cache-memory)", flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(manifest.path))
@@ -114,13 +119,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         ratio = memory["ratio"]
         say(f"edge: stopped by {server['stopped_by'] or 'the server'}: {plural(server['requests_served'], 'request')} "
-            f"served ({server['requests_failed']} failed), {'drained' if server['drained'] else 'in-flight aborted'}; "
+            f"served ({server['requests_failed']} failed{refused_at_cap(server)}), "
+            f"{'drained' if server['drained'] else 'in-flight aborted'}; "
             f"predicted peak {mib(memory['predicted_peak_bytes'])} vs measured "
             f"{mib(memory['measured_attributable_bytes'])} ({'-' if ratio is None else f'{ratio:.3f}'}); "
             f"{'no process left' if not record['processes_left'] else 'processes left: ' + str(record['processes_left'])}")
     sys.stdout.flush()
     quiet_exit(engine_log, keep=keep or bool(record["processes_left"]))
     return EXIT_INTERRUPTED if server["stopped_by"] == "SIGINT" else EXIT_OK
+
+
+def default_max_connections(max_num_seqs: int) -> int:
+    """``--max-connections`` when it is not given: :data:`SERVE_MAX_CONNECTIONS`, or twice ``max_num_seqs``."""
+    return max(SERVE_MAX_CONNECTIONS, 2 * max_num_seqs)
+
+
+def refused_at_cap(server: dict[str, Any]) -> str:
+    """``, N refused at the connection cap`` when the server refused any (vLLM's server reports no such count)."""
+    refused = server.get("requests_refused_at_cap") or 0
+    return f", {refused} refused at the connection cap" if refused else ""
 
 
 def plural(count: int, noun: str) -> str:

@@ -83,6 +83,12 @@ RULES: tuple[EnvRule, ...] = (
         "documents, so the logs go to stderr",
     ),
     EnvRule(
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0", True,
+        "vLLM CPU keeps its own 32 oneDNN matmul primitives per weight shape, one per batch size; oneDNN's "
+        "global cache (1,024) kept every other one, and a server whose batches came in many sizes grew its "
+        "worker by 2 GiB: with 0 vLLM's own cache is the bound, which the plan reserves",
+    ),
+    EnvRule(
         "VLLM_LOGGING_LEVEL", "WARNING", False,
         "an engine start logs dozens of INFO lines that bury edge's progress on stderr; set "
         "VLLM_LOGGING_LEVEL=INFO to see them (vLLM's failures are logged at ERROR and still show)",

@@ -69,6 +69,7 @@ class VllmServer:
         self.stage_pids: tuple[int, ...] = ()
         self.drained = True
         self._stopping = False
+        self.cap: ConnectionCap | None = None
 
     # -- the server's life -------------------------------------------------------
 
@@ -106,7 +107,8 @@ class VllmServer:
         self.requests_served, self.requests_failed = finished_requests()
         return ServerReport(stopped_by=self.stopped_by, requests_served=self.requests_served,
                             requests_failed=self.requests_failed, stage_pids=self.stage_pids,
-                            leftover_pids=leftover, drained=self.drained, seconds=time.monotonic() - started)
+                            leftover_pids=leftover, drained=self.drained, seconds=time.monotonic() - started,
+                            extras={"requests_refused_at_cap": self.cap.refused} if self.cap is not None else {})
 
     async def _main(self, engine_log: EngineLog) -> None:
         try:
@@ -253,7 +255,7 @@ class VllmServer:
         if self.options.max_connections is not None:
             # Outermost, around the stack vLLM's app has already built (Starlette's add_middleware refuses then).
             stack = app.middleware_stack if app.middleware_stack is not None else app.build_middleware_stack()
-            app.middleware_stack = ConnectionCap(stack, self.options.max_connections)
+            self.cap = app.middleware_stack = ConnectionCap(stack, self.options.max_connections)
 
     async def _announce_ready(self, app: Any) -> None:
         """Call ``on_ready`` once ``/health`` answers 200 over the socket clients will use."""

@@ -57,6 +57,19 @@ COMPILE_WORKSPACE_BYTES = 512 << 20
 #: (``edge_core.engines.vllm_launch.EAGER_TP_CPU_ENV``); without it inductor's compiler processes add more while
 #: they run. A compiled session counts its own workspace per worker (:data:`COMPILE_WORKSPACE_BYTES`).
 EXTRA_RANK_WORKER_BYTES = 512 << 20
+#: What a served session's worker holds in oneDNN matmul primitives, one per batch size (rows) and weight shape,
+#: in bytes (E): vLLM keeps the last 32 per shape and edge's environment leaves oneDNN's own cache empty
+#: (``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``, edge_core/runtime/env.py); the demo's worker plateaued at +485 MiB over
+#: 900 prompt lengths (docs/benchmarks.md, "What a served worker keeps per batch size").
+GEMM_PRIMITIVES_BYTES = 512 << 20
+#: What one open request to the model holds in a served session's tree (vLLM's API server and engine core) beside
+#: its tokens, in bytes (E): the intercept of a least-squares line through the per-connection slopes measured with
+#: 0-256 queued streams of ~10, 3,801 and 7,601-token prompts (docs/benchmarks.md, "What an open connection costs").
+CONNECTION_BYTES = 44 << 10
+#: What each token of an open request adds (its ids, held by the API server and the engine core), in bytes (E): that
+#: line's slope. A request holds at most ``max_model_len`` tokens, prompt and output (a longer prompt is refused
+#: before it is queued).
+CONNECTION_TOKEN_BYTES = 90
 
 
 #: vLLM pads the vocabulary to a multiple of this before splitting the embedding and LM head across
@@ -415,6 +428,7 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
             f"({EXTRA_RANK_WORKER_BYTES >> 20} MiB each: one more process importing torch; tree PSS "
             "1,997 MiB with TP 2 against 1,563-1,570 MiB with one worker on the demo, measured)",
         ))
+    terms += served_reservations(session, ranks)
     if getattr(session, "enforce_eager", True) is False:  # None: not decided yet, no compile
         terms.append(Reservation(
             purpose="compile_workspace",
@@ -424,6 +438,40 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
             evidence="E",
             note="torch.compile while vLLM warms the compiled model up, beside the KV pool (measured +450-500 MiB "
             "on the demo); mostly released once compiled",
+        ))
+    return terms
+
+
+def served_reservations(session: Any, ranks: int = 1) -> list[Reservation]:
+    """What serving adds to a vLLM CPU session (none for one that is not served): the requests its server holds
+    open, at most ``session.max_connections`` with prompts of up to ``max_model_len`` tokens, and each of the
+    ``ranks`` workers' matmul primitives for the many batch sizes a server's traffic runs."""
+    if not getattr(session, "served", False):
+        return []
+    terms = [Reservation(
+        purpose="gemm_primitives",
+        bytes=ranks * GEMM_PRIMITIVES_BYTES,
+        pool="host_ram",
+        lifetime="session",
+        evidence="E",
+        note="the worker's oneDNN matmul primitives, one per batch size and weight shape: vLLM keeps 32 per "
+        "shape, oneDNN's own cache is left empty (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0); +485 MiB on the demo "
+        "over 900 prompt lengths, measured" + (f"; one set per worker, x {ranks} ranks" if ranks > 1 else ""),
+    )]
+    connections = getattr(session, "max_connections", None)
+    if connections:
+        tokens = int(getattr(session, "max_model_len", 0) or 0)
+        each = CONNECTION_BYTES + tokens * CONNECTION_TOKEN_BYTES
+        terms.append(Reservation(
+            purpose="open_connections",
+            bytes=connections * each,
+            pool="host_ram",
+            lifetime="request",
+            evidence="E",
+            note=f"{connections} requests held open by the server (--max-connections), running, queued or "
+            f"streaming: {CONNECTION_BYTES >> 10} KiB each in vLLM's API server and engine core plus "
+            f"{CONNECTION_TOKEN_BYTES} B per token it holds, up to {tokens:,} ({each / 2**10:,.0f} KiB each; "
+            "least squares over 0-256 queued streams of three prompt lengths, measured)",
         ))
     return terms
 
