@@ -246,7 +246,8 @@ def peak_line(peak: Peak, capacity_bytes: int | None) -> str:
             f"admission {mib(peak.admission_bytes)} of {mib(capacity_bytes)}")
     if peak.predicted_bytes != peak.held_bytes:
         line += (f"; the tree PSS may read up to {mib(peak.predicted_bytes)} ({mib(peak.reclaimable_bytes)} more: "
-                 "the checkpoint's file pages while it loads, which the kernel reclaims; not admitted against)")
+                 "clean file pages, the reclaimable terms above (the checkpoint's while it loads, the libraries'), "
+                 "which the kernel reclaims; not admitted against)")
     return line
 
 

@@ -63,6 +63,7 @@ from .reaper import (
     SIGNAL_MEANINGS,
     KernelKill,
     KernelLog,
+    keyed_counts,
     last_measured_words,
     mib,
     not_oom_evidence,
@@ -156,16 +157,6 @@ def _int(text: str | None) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _keyed(text: str | None) -> dict[str, int]:
-    """``key value`` lines (``memory.oom_control``, ``memory.events``, ``memory.stat``) as integers."""
-    out = {}
-    for line in (text or "").splitlines():
-        key, _, value = line.strip().partition(" ")
-        if value.strip().isdigit():
-            out[key] = int(value)
-    return out
-
-
 def _unescape(text: str) -> str:
     """mountinfo's octal escapes (``\\040`` for a space)."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
@@ -234,7 +225,7 @@ def read_cgroup_memory(root: str | os.PathLike[str] = "/", pid: str = "self") ->
     if "v1" in paths and "v1" in mounts:
         lineage = _lineage(base, mounts["v1"], paths["v1"])
         own_path, own = lineage[0]
-        control = _keyed(_read(own / "memory.oom_control"))
+        control = keyed_counts(_read(own / "memory.oom_control"))
         if control or _read(own / "memory.usage_in_bytes") is not None:
             levels = [(p, d / "memory.limit_in_bytes") for p, d in lineage]
             limits = [(p, value) for p, f in levels if (value := _int(_read(f))) is not None and value < CGROUP_UNLIMITED]
@@ -261,8 +252,8 @@ def read_cgroup_memory(root: str | os.PathLike[str] = "/", pid: str = "self") ->
                 limits.append((p, int(raw)))
         binding = min(limits, key=lambda item: item[1]) if limits else (None, None)
         own_path, own = lineage[0]
-        own_events = _keyed(shown[0][2]) if shown[0][0] == own_path else {}
-        counted = [(p, d, counts["oom_kill"]) for p, d, events in shown if "oom_kill" in (counts := _keyed(events))]
+        own_events = keyed_counts(shown[0][2]) if shown[0][0] == own_path else {}
+        counted = [(p, d, counts["oom_kill"]) for p, d, events in shown if "oom_kill" in (counts := keyed_counts(events))]
         return CgroupMemory(
             version=2, path=paths["v2"], directory=str(own), limit_bytes=binding[1], limit_path=binding[0],
             usage_bytes=_int(_read(own / "memory.current")), max_usage_bytes=_int(_read(own / "memory.peak")),

