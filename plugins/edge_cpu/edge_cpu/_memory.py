@@ -255,6 +255,35 @@ def shared_table_packs(manifest: Any, host: HostFacts | None, share: DeviceShare
     return _packing.packs_in_place(host.isa_flags, host.machine, rows, int(text.get("hidden_size") or 0), dtype)
 
 
+def _quantized(manifest: Any) -> bool:
+    """Whether config.json says the checkpoint's weights are quantized (what vLLM's ``model_config.quantization`` reads)."""
+    config = getattr(manifest, "config", None) or {}
+    return bool(_text_config(manifest).get("quantization_config") or config.get("quantization_config"))
+
+
+def int8_head_holds(manifest: Any, host: HostFacts | None, share: DeviceShare | None = None) -> bool:
+    """Whether ``EDGE_CPU_INT8_HEAD`` holds a tied table once as int8 on ``host`` (:func:`._packing.int8_head_here`):
+    a quantized checkpoint with tied embeddings, vLLM CPU's int8 GEMM on this host, rows that fit its blocks."""
+    vocab, row = _table_row_bytes(manifest)
+    if host is None or not vocab or not row or not _tied(manifest):
+        return False
+    text = _text_config(manifest)
+    dtype = str(getattr(manifest, "dtype", None) or text.get("torch_dtype") or "bfloat16")
+    rows = -(-vocab // VOCAB_PADDING_SIZE) * VOCAB_PADDING_SIZE // (share.layout.tp if share is not None else 1)
+    return _packing.int8_head_here(host.isa_flags, host.machine, rows, int(text.get("hidden_size") or 0), dtype,
+                                   _quantized(manifest))
+
+
+def int8_table_bytes(manifest: Any, share: DeviceShare | None = None) -> int:
+    """Bytes of a tied table held as int8 (:func:`._packing.share_int8_table`): per row, its int8 values, its
+    int32 sum and its float32 scale; summed over the ranks of ``share`` holding a tied table."""
+    vocab, _ = _table_row_bytes(manifest)
+    hidden = _text_config(manifest).get("hidden_size")
+    if not vocab or not isinstance(hidden, int):
+        return 0
+    return _stage_rows(vocab, share, True) * (hidden + _packing.INT8_ROW_EXTRA + 4)
+
+
 def one_table_bytes(manifest: Any, share: DeviceShare | None, head_module: bool, shared_table: bool
                     ) -> tuple[int, int]:
     """(held, transient) bytes of packed vocab tables with edge-cpu's ``EDGE_CPU_ONE_TABLE`` lever on.
@@ -318,8 +347,12 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
     on = _packing.levers() if levers is None else levers
     one_table, trim_each = on.get(_packing.ONE_TABLE_ENV, False), on.get(_packing.REPACK_TRIM_ENV, False)
     shared_table = one_table and on.get(_packing.SHARED_TABLE_ENV, False) and shared_table_packs(manifest, host, share)
+    int8_head = (one_table and head_module and on.get(_packing.INT8_HEAD_ENV, False)
+                 and int8_head_holds(manifest, host, share))
+    int8_table = int8_table_bytes(manifest, share) if int8_head else 0
     if one_table:
-        packed, head_transient = one_table_bytes(manifest, share, head_module, shared_table)
+        packed, head_transient = one_table_bytes(manifest, share, head_module, shared_table or int8_head)
+        head_transient += int8_table
     else:
         packed, head_transient = packed_table_bytes(manifest, share, head_module), 0
     # Only float weights are re-packed this way (the checkpoint's bytes per dtype bound them); the tensor
@@ -332,7 +365,11 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
         small = small_float_bytes(manifest, share)
         holes = holes if small is None else min(holes, int(REPACK_HOLES_SHARE * small))
     packed_copies = ("one packed copy per distinct table with edge-cpu's levers: "
-                     + ("none, the tied table is re-laid out in place once and both modules read it" if packed == 0 and _tied(
+                     + (f"none, the tied table is held once as int8 ({int8_table >> 20} MiB with its sums and scales) "
+                        "and the float table is freed; the budget keeps the float table's bytes in the weights, "
+                        "which the int8 table undercuts (EDGE_CPU_INT8_HEAD: a quantized checkpoint's head "
+                        "computes in int8)" if int8_head else
+                        "none, the tied table is re-laid out in place once and both modules read it" if packed == 0 and _tied(
                          manifest) else ("the tied head's" + (
                              "" if not on.get(_packing.SHARED_TABLE_ENV, False) or not head_module else
                              " (the shared table is not packed in place here: no AVX-512 BF16 build of vLLM CPU's "
@@ -380,7 +417,9 @@ def reservations(manifest: Any, session: Any, host: HostFacts, share: DeviceShar
             note=f"re-packing the weights for oneDNN, once they are read and the shard mapping is gone: the "
             f"packed tables ({packed >> 20} MiB)"
             + (f", an untied head's float weight beside its packed copy ({head_transient >> 20} MiB)"
-               if head_transient else "")
+               if head_transient - int8_table else "")
+            + (f", the int8 table beside the float one while it is made ({int8_table >> 20} MiB)"
+               if int8_table else "")
             + (f" plus one matrix beside its packed copy at a time ({holes >> 20} MiB; edge-cpu trims each "
                "freed original as it goes)" if trim_each else
                f" plus heap holes, up to {REPACK_HOLES_SHARE:g} x the weights in tensors under glibc's "

