@@ -2,8 +2,8 @@
 
 vLLM loads every ``vllm.general_plugins`` entry point of the venv in every
 process it starts, a user's own ``vllm serve`` included. edge-cpu's plugins
-(the heap trim, the packing levers, the eager pipeline buffers: :mod:`._heap`,
-:mod:`._packing`, :mod:`._pp`) change what the engine holds and computes, so
+(the heap trim, the packing levers, the eager pipeline buffers, the plain
+parameters: :mod:`._heap`, :mod:`._packing`, :mod:`._pp`, :mod:`._params`) change what the engine holds and computes, so
 each one first asks :func:`in_edge_engine`: the variable :data:`ENGINE_ENV`,
 which edge sets to ``1`` in the environment of the engines it starts (its
 stage, ``edge serve``'s server, a node's headless ranks:

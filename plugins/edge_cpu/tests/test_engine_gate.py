@@ -8,11 +8,11 @@ import types
 
 import pytest
 
-from edge_cpu import _amx, _engine, _heap, _imports, _packing, _pp
+from edge_cpu import _amx, _engine, _heap, _imports, _packing, _params, _pp
 
 #: Every edge-cpu vLLM plugin that changes what the engine holds or computes: each is gated.
 GATED = {"edge_cpu_heap": _heap.trim_after_load, "edge_cpu_pp": _pp.allocate_stage_buffers,
-         "edge_cpu_packing": _packing.install}
+         "edge_cpu_packing": _packing.install, "edge_cpu_params": _params.install}
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def clean_imports(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, _imports.AfterImport)])
     for name in (_heap.WORKER_MODULE, _pp.RUNNER_MODULE, _packing.DISPATCH_MODULE, _packing.LOADER_MODULE):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    for name in _packing.levers():
+    for name in (*_packing.levers(), _params.PLAIN_PARAMETERS_ENV):
         monkeypatch.delenv(name, raising=False)  # every lever on, as a user's environment has them
 
 
@@ -40,6 +40,7 @@ def test_in_a_users_own_vllm_no_plugin_changes_anything(name, clean_imports, mon
     ("edge_cpu_heap", [_heap.WORKER_MODULE]),
     ("edge_cpu_pp", [_pp.RUNNER_MODULE]),
     ("edge_cpu_packing", sorted([_packing.DISPATCH_MODULE, _packing.LOADER_MODULE])),
+    ("edge_cpu_params", [_packing.LOADER_MODULE]),
 ])
 def test_in_an_engine_edge_started_each_plugin_waits_for_its_vllm_module(name, modules, clean_imports, monkeypatch):
     monkeypatch.setenv(_engine.ENGINE_ENV, "1")
