@@ -173,9 +173,11 @@ SUBJECTS: dict[str, dict[str, Any]] = {
                      "no_extra_bufts": True},
     "edge-bf16": {"engine": "edge", "import": "bf16", "label": "edge, bf16 import"},
     "edge-w4a16": {"engine": "edge", "import": "w4a16", "label": "edge, W4A16 import (int8 activations: vLLM's default "
-                   "on AMX)", "env": {}},
-    "edge-w4a16-a16": {"engine": "edge", "import": "w4a16", "label": "edge, W4A16 import, VLLM_CPU_INT4_W4A8=0",
-                       "env": {"VLLM_CPU_INT4_W4A8": "0"}},
+                   "on AMX; tied head in int8: edge-cpu's default for a quantized checkpoint)", "env": {}},
+    "edge-w4a16-bf16-head": {"engine": "edge", "import": "w4a16", "label": "edge, W4A16 import, head in bfloat16 "
+                             "(EDGE_CPU_INT8_HEAD=0)", "env": {"EDGE_CPU_INT8_HEAD": "0"}},
+    "edge-w4a16-a16": {"engine": "edge", "import": "w4a16", "label": "edge, W4A16 import, VLLM_CPU_INT4_W4A8=0 and "
+                       "EDGE_CPU_INT8_HEAD=0", "env": {"VLLM_CPU_INT4_W4A8": "0", "EDGE_CPU_INT8_HEAD": "0"}},
     "edge-w4a16-compiled": {"engine": "edge", "import": "w4a16", "label": "edge, W4A16 import, --compile (vLLM's "
                             "torch.compile path instead of eager)", "args": ["--compile"]},
     "edge-bf16-compiled": {"engine": "edge", "import": "bf16", "label": "edge, bf16 import, --compile",
@@ -359,7 +361,7 @@ def vllm_quality_child(spec: dict[str, Any]) -> None:
         os.environ[key] = value
     from edge_core.runtime.env import apply_runtime_env  # noqa: PLC0415
 
-    apply_runtime_env()
+    apply_runtime_env(edge_engine=bool(spec.get("edge_engine")))
     from vllm import LLM, SamplingParams  # noqa: PLC0415
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
@@ -1003,15 +1005,18 @@ def quality(args: argparse.Namespace) -> int:
     text_ids = list(tok(GETTYSBURG, add_special_tokens=False)["input_ids"])
     prompts_ids = [chat_ids(tok, q) for q in QUESTIONS]
     ctx = 2048
+    # vLLM as edge starts it (its levers on: a quantized checkpoint's tied head in int8), and the 4-bit import's
+    # head kept in bfloat16 (EDGE_CPU_INT8_HEAD=0), and with vLLM's int8-activation kernel off as well
     sides = {"edge-bf16": ("bf16", {}), "edge-w4a16": ("w4a16", {}),
-             "edge-w4a16-a16": ("w4a16", {"VLLM_CPU_INT4_W4A8": "0"})}
+             "edge-w4a16-bf16-head": ("w4a16", {"EDGE_CPU_INT8_HEAD": "0"}),
+             "edge-w4a16-a16": ("w4a16", {"VLLM_CPU_INT4_W4A8": "0", "EDGE_CPU_INT8_HEAD": "0"})}
     got: dict[str, dict[str, Any]] = {}
     for side, (kind, env) in sides.items():
         plan = subprocess.run([args.edge, "plan", "--model", str(dirs[kind]), "--max-model-len", str(ctx), "--json"],
                               capture_output=True, text=True, check=False)
         kwargs = json.loads(plan.stdout)["engine_kwargs"]
         spec = {"engine_kwargs": kwargs, "env": env, "text_ids": text_ids, "prompts_ids": prompts_ids,
-                "max_tokens": GREEDY_TOKENS}
+                "max_tokens": GREEDY_TOKENS, "edge_engine": True}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--vllm-quality-child", json.dumps(spec)]
         got[side] = _child_result([args.lock, "run", *cmd] if args.lock else cmd, dict(os.environ))
     if args.llamacpp_python:
