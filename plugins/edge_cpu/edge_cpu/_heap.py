@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._engine import in_edge_engine
-from ._imports import AfterImport
+from ._imports import AfterImport, wrap_once
 
 log = logging.getLogger(__name__)
 
@@ -55,23 +55,16 @@ def trim() -> bool | None:
 
 def wrap_worker(module: Any, trimmer: Callable[[], bool | None] = trim) -> bool:
     """Make ``module.CPUWorker.load_model`` trim the heap when it returns; False when there is nothing to wrap."""
-    worker = getattr(module, WORKER_CLASS, None)
-    load = getattr(worker, "load_model", None)
-    if load is None:
-        return False
-    if getattr(load, MARK, False):
-        return True
+    def wrap(load: Callable[..., Any]) -> Callable[..., Any]:
+        def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return load(self, *args, **kwargs)
+            finally:
+                log.debug("edge-cpu: heap trimmed after loading the model: %s", trimmer())
 
-    @functools.wraps(load)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return load(self, *args, **kwargs)
-        finally:
-            log.debug("edge-cpu: heap trimmed after loading the model: %s", trimmer())
+        return load_model
 
-    setattr(load_model, MARK, True)
-    worker.load_model = load_model  # type: ignore[union-attr]
-    return True
+    return wrap_once(getattr(module, WORKER_CLASS, None), "load_model", MARK, wrap)
 
 
 class WrapOnImport(AfterImport):

@@ -11,6 +11,7 @@ already imported.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import logging
@@ -47,6 +48,19 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
         setattr(loader, "exec_module", exec_module)  # noqa: B010 - this spec's own loader, not its class
         return spec
+
+
+def wrap_once(owner: Any, name: str, mark: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``owner.<name>`` by ``wrap(original)``, keeping its name and docstring and carrying ``mark``, once:
+    a function that already carries ``mark`` is left as it is. False when ``owner`` has no such function."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return False
+    if not getattr(original, mark, False):
+        wrapped = functools.wraps(original)(wrap(original))
+        setattr(wrapped, mark, True)
+        setattr(owner, name, wrapped)
+    return True
 
 
 def _key(patch: Patch) -> Any:

@@ -242,17 +242,24 @@ def _table_row_bytes(manifest: Any) -> tuple[int, int]:
     return vocab, hidden * _DTYPE_BYTES.get(str(getattr(manifest, "dtype", None) or text.get("torch_dtype")), 2)
 
 
+def _rank_table(manifest: Any, share: DeviceShare | None) -> tuple[int, int, str] | None:
+    """(rows, hidden, dtype) of the vocab table one rank holds (the padded vocabulary over its TP ranks), from
+    config.json; None where it does not say. What the packing levers ask their layout questions of."""
+    vocab, row = _table_row_bytes(manifest)
+    if not vocab or not row:
+        return None
+    text = _text_config(manifest)
+    dtype = str(getattr(manifest, "dtype", None) or text.get("torch_dtype") or "bfloat16")
+    rows = -(-vocab // VOCAB_PADDING_SIZE) * VOCAB_PADDING_SIZE // (share.layout.tp if share is not None else 1)
+    return rows, int(text.get("hidden_size") or 0), dtype
+
+
 def shared_table_packs(manifest: Any, host: HostFacts | None, share: DeviceShare | None = None) -> bool:
     """Whether ``EDGE_CPU_SHARED_TABLE`` packs a tied table in place on ``host`` (:func:`._packing.packs_in_place`):
     its ISA flags give vLLM CPU's build with sgl-kernel's packed GEMM and each rank's rows fit its blocks. Where
     not, the engine packs the tied head as vLLM does, one more table (:func:`one_table_bytes`)."""
-    vocab, row = _table_row_bytes(manifest)
-    if host is None or not vocab or not row:
-        return False
-    text = _text_config(manifest)
-    dtype = str(getattr(manifest, "dtype", None) or text.get("torch_dtype") or "bfloat16")
-    rows = -(-vocab // VOCAB_PADDING_SIZE) * VOCAB_PADDING_SIZE // (share.layout.tp if share is not None else 1)
-    return _packing.packs_in_place(host.isa_flags, host.machine, rows, int(text.get("hidden_size") or 0), dtype)
+    table = _rank_table(manifest, share)
+    return host is not None and table is not None and _packing.packs_in_place(host.isa_flags, host.machine, *table)
 
 
 def _quantized(manifest: Any) -> bool:
@@ -264,14 +271,9 @@ def _quantized(manifest: Any) -> bool:
 def int8_head_holds(manifest: Any, host: HostFacts | None, share: DeviceShare | None = None) -> bool:
     """Whether ``EDGE_CPU_INT8_HEAD`` holds a tied table once as int8 on ``host`` (:func:`._packing.int8_head_here`):
     a quantized checkpoint with tied embeddings, vLLM CPU's int8 GEMM on this host, rows that fit its blocks."""
-    vocab, row = _table_row_bytes(manifest)
-    if host is None or not vocab or not row or not _tied(manifest):
-        return False
-    text = _text_config(manifest)
-    dtype = str(getattr(manifest, "dtype", None) or text.get("torch_dtype") or "bfloat16")
-    rows = -(-vocab // VOCAB_PADDING_SIZE) * VOCAB_PADDING_SIZE // (share.layout.tp if share is not None else 1)
-    return _packing.int8_head_here(host.isa_flags, host.machine, rows, int(text.get("hidden_size") or 0), dtype,
-                                   _quantized(manifest))
+    table = _rank_table(manifest, share)
+    return (host is not None and table is not None and _tied(manifest)
+            and _packing.int8_head_here(host.isa_flags, host.machine, *table, _quantized(manifest)))
 
 
 def int8_table_bytes(manifest: Any, share: DeviceShare | None = None) -> int:

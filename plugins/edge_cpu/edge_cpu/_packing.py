@@ -65,7 +65,7 @@ from typing import Any
 
 from ._engine import in_edge_engine
 from ._heap import WORKER_CLASS, WORKER_MODULE, trim
-from ._imports import patch_on_import
+from ._imports import patch_on_import, wrap_once
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,30 @@ def gather_rows(table: Any, ids: Any) -> Any:
     return blocks[flat // PACK_BLOCK_ROWS, :, flat % PACK_BLOCK_ROWS, :].reshape(*ids.shape, k)
 
 
+def shareable_table(head: Any, embedding: Any) -> Any:
+    """The tied table ``head`` and ``embedding`` could read from one packed copy, or None where the layout does
+    not hold here: not a 2-D tensor, a dtype other than bfloat16, rows not in whole blocks, not contiguous, a
+    bias, or an embedding that reads its weight itself (vLLM's fused lookup under tensor parallelism)."""
+    import torch
+
+    weight = head.weight
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return None
+    n, k = weight.shape
+    if (not table_fits_packed_layout(n, k, str(weight.dtype).removeprefix("torch.")) or not weight.is_contiguous()
+            or getattr(head, "bias", None) is not None or getattr(embedding, "use_fused_embedding", False)):
+        return None
+    return weight
+
+
+def _probe_rows(n: int) -> tuple[int, Any]:
+    """The first step's rows (what is packed and checked before anything is rewritten) and the rows checked."""
+    import torch
+
+    first = min(n, PACK_STEP_ROWS)
+    return first, torch.tensor([0, 1, PACK_BLOCK_ROWS - 1, first - 1])
+
+
 def _sgl_int8() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """vLLM CPU's sgl-kernel packer and int8 product (``convert_weight_packed``, ``int8_scaled_mm_with_quant``)."""
     import torch
@@ -262,20 +286,16 @@ def share_int8_table(head: Any, embedding: Any) -> bool:
     """
     import torch
 
-    weight = head.weight
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+    weight = shareable_table(head, embedding)
+    if weight is None:
         return False
     n, k = weight.shape
-    if (not table_fits_packed_layout(n, k, str(weight.dtype).removeprefix("torch.")) or not weight.is_contiguous()
-            or getattr(head, "bias", None) is not None or getattr(embedding, "use_fused_embedding", False)):
-        return False
     ops = _sgl_int8()
     if ops is None:
         return False
     convert, product = ops
     table, dtype = weight.data, weight.dtype
-    first = min(n, PACK_STEP_ROWS)
-    probe_rows = torch.tensor([0, 1, PACK_BLOCK_ROWS - 1, first - 1])
+    first, probe_rows = _probe_rows(n)
     values, _ = quantize_rows_int8(table[:first])
     block = convert(values)
     if tuple(block.shape) != (first, k + INT8_ROW_EXTRA) or not torch.equal(
@@ -314,20 +334,16 @@ def share_packed_table(head: Any, embedding: Any) -> bool:
     """
     import torch
 
-    weight = head.weight
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+    weight = shareable_table(head, embedding)
+    if weight is None:
         return False
     n, k = weight.shape
-    if (not table_fits_packed_layout(n, k, str(weight.dtype).removeprefix("torch.")) or not weight.is_contiguous()
-            or getattr(head, "bias", None) is not None or getattr(embedding, "use_fused_embedding", False)):
-        return False
     ops = _sgl_pack()
     if ops is None:
         return False
     convert, product = ops
     table = weight.data
-    first = min(n, PACK_STEP_ROWS)
-    probe_rows = torch.tensor([0, 1, PACK_BLOCK_ROWS - 1, first - 1])
+    first, probe_rows = _probe_rows(n)
     if not torch.equal(gather_rows(convert(table[:first]), probe_rows), table[probe_rows]):
         return False
     with torch.no_grad():
@@ -350,69 +366,57 @@ def share_packed_table(head: Any, embedding: Any) -> bool:
 def wrap_dispatch(module: Any, one_table: bool, repack_trim: bool, shared_table: bool = False,
                   trimmer: Callable[[], bool | None] = trim, int8_head: bool = False) -> bool:
     """Make ``module.dispatch_cpu_unquantized_gemm`` follow the levers; False when there is nothing to wrap."""
-    pack = getattr(module, DISPATCH, None)
-    if pack is None:
-        return False
-    if getattr(pack, _MARK, False):
-        return True
+    def wrap(pack: Callable[..., Any]) -> Callable[..., Any]:
+        def dispatch(layer: Any, remove_weight: bool) -> Any:
+            role = getattr(layer, ROLE, None) if one_table else None
+            try:
+                if role == GATHER:
+                    return _pack_on_use(layer, pack)
+                if role == TIED_HEAD and (shared_table or int8_head):
+                    partner = layer.__dict__.get(PARTNER)
+                    if partner is None:  # logits in another dtype: the head reads its float weight itself
+                        _linear_on_float(layer)
+                    elif int8_head and getattr(layer, QUANTIZED, False) and share_int8_table(layer, partner):
+                        pass
+                    elif not shared_table or not share_packed_table(layer, partner):  # vLLM's own copy, its speed
+                        COUNTS["tied_heads_packed_apart"] += 1
+                        return pack(layer, remove_weight=False)
+                    return None
+                return pack(layer, remove_weight=remove_weight or role == UNTIED_HEAD)
+            finally:
+                if repack_trim:
+                    trimmer()
+                    COUNTS["repack_trims"] += 1
 
-    @functools.wraps(pack)
-    def dispatch(layer: Any, remove_weight: bool) -> Any:
-        role = getattr(layer, ROLE, None) if one_table else None
-        try:
-            if role == GATHER:
-                return _pack_on_use(layer, pack)
-            if role == TIED_HEAD and (shared_table or int8_head):
-                partner = layer.__dict__.get(PARTNER)
-                if partner is None:  # logits in another dtype: the head reads its float weight itself
-                    _linear_on_float(layer)
-                elif int8_head and getattr(layer, QUANTIZED, False) and share_int8_table(layer, partner):
-                    pass
-                elif not shared_table or not share_packed_table(layer, partner):  # vLLM's own copy, its speed
-                    COUNTS["tied_heads_packed_apart"] += 1
-                    return pack(layer, remove_weight=False)
-                return None
-            return pack(layer, remove_weight=remove_weight or role == UNTIED_HEAD)
-        finally:
-            if repack_trim:
-                trimmer()
-                COUNTS["repack_trims"] += 1
+        return dispatch
 
-    setattr(dispatch, _MARK, True)
-    module.dispatch_cpu_unquantized_gemm = dispatch
-    return True
+    return wrap_once(module, DISPATCH, _MARK, wrap)
 
 
 def wrap_loader(module: Any) -> bool:
     """Make the loader's ``process_weights_after_loading`` mark the model's vocab tables first."""
-    process = getattr(module, PROCESS, None)
-    if process is None:
-        return False
-    if getattr(process, _MARK, False):
-        return True
+    def wrap(process: Callable[..., Any]) -> Callable[..., Any]:
+        def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    @functools.wraps(process)
-    def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+                log.debug("edge-cpu: vocab tables %s", mark_tables(model.modules(), VocabParallelEmbedding,
+                                                                   ParallelLMHead))
+                model_config = args[0] if args else kwargs.get("model_config")
+                quantized = getattr(model_config, "quantization", None) is not None
+                head_dtypes = {getattr(m, "head_dtype", None) for m in model.modules()} - {None}
+                for m in model.modules():  # logits in another dtype read the head's float weight itself
+                    if PARTNER in m.__dict__:
+                        setattr(m, QUANTIZED, quantized)
+                        if head_dtypes - {m.weight.dtype}:
+                            del m.__dict__[PARTNER]
+            except Exception as exc:  # noqa: BLE001 - unmarked tables are packed as vLLM packs them
+                log.debug("edge-cpu: vocab tables not marked: %s", exc)
+            return process(model, *args, **kwargs)
 
-            log.debug("edge-cpu: vocab tables %s", mark_tables(model.modules(), VocabParallelEmbedding,
-                                                               ParallelLMHead))
-            model_config = args[0] if args else kwargs.get("model_config")
-            quantized = getattr(model_config, "quantization", None) is not None
-            head_dtypes = {getattr(m, "head_dtype", None) for m in model.modules()} - {None}
-            for m in model.modules():  # logits in another dtype read the head's float weight itself
-                if PARTNER in m.__dict__:
-                    setattr(m, QUANTIZED, quantized)
-                    if head_dtypes - {m.weight.dtype}:
-                        del m.__dict__[PARTNER]
-        except Exception as exc:  # noqa: BLE001 - unmarked tables are packed as vLLM packs them
-            log.debug("edge-cpu: vocab tables not marked: %s", exc)
-        return process(model, *args, **kwargs)
+        return process_weights_after_loading
 
-    setattr(process_weights_after_loading, _MARK, True)
-    setattr(module, PROCESS, process_weights_after_loading)
-    return True
+    return wrap_once(module, PROCESS, _MARK, wrap)
 
 
 def packed(layer: Any) -> bool:

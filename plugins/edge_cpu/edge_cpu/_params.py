@@ -21,12 +21,12 @@ is re-wrapped after vLLM post-processed it, before it is compiled or run.
 
 from __future__ import annotations
 
-import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ._engine import in_edge_engine
-from ._imports import patch_on_import
+from ._imports import patch_on_import, wrap_once
 from ._packing import LOADER_MODULE, PROCESS, enabled
 
 log = logging.getLogger(__name__)
@@ -55,26 +55,20 @@ def plain_parameters(model: Any, base: type) -> int:
 
 def wrap_loader(module: Any) -> bool:
     """Make the loader's ``process_weights_after_loading`` re-wrap vLLM's weight classes once it has run."""
-    process = getattr(module, PROCESS, None)
-    if process is None:
-        return False
-    if getattr(process, _MARK, False):
-        return True
+    def wrap(process: Callable[..., Any]) -> Callable[..., Any]:
+        def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
+            result = process(model, *args, **kwargs)
+            try:
+                from vllm.model_executor.parameter import BasevLLMParameter
 
-    @functools.wraps(process)
-    def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
-        result = process(model, *args, **kwargs)
-        try:
-            from vllm.model_executor.parameter import BasevLLMParameter
+                log.debug("edge-cpu: %d parameters re-wrapped", plain_parameters(model, BasevLLMParameter))
+            except Exception as exc:  # noqa: BLE001 - vLLM's own classes still compute the same
+                log.debug("edge-cpu: parameters left as vLLM made them: %s", exc)
+            return result
 
-            log.debug("edge-cpu: %d parameters re-wrapped", plain_parameters(model, BasevLLMParameter))
-        except Exception as exc:  # noqa: BLE001 - vLLM's own classes still compute the same
-            log.debug("edge-cpu: parameters left as vLLM made them: %s", exc)
-        return result
+        return process_weights_after_loading
 
-    setattr(process_weights_after_loading, _MARK, True)
-    setattr(module, PROCESS, process_weights_after_loading)
-    return True
+    return wrap_once(module, PROCESS, _MARK, wrap)
 
 
 def install() -> None:

@@ -20,13 +20,12 @@ start is left alone (:mod:`._engine`).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from ._engine import in_edge_engine
-from ._imports import patch_on_import
+from ._imports import patch_on_import, wrap_once
 
 log = logging.getLogger(__name__)
 
@@ -55,26 +54,19 @@ def allocate(runner: Any, is_first_stage: Callable[[], bool] | None = None) -> b
 
 def wrap_runner(module: Any, is_first_stage: Callable[[], bool] | None = None) -> bool:
     """Make ``module.CPUModelRunner.load_model`` allocate a later stage's buffers; False: nothing to wrap."""
-    runner = getattr(module, RUNNER_CLASS, None)
-    load = getattr(runner, "load_model", None)
-    if load is None:
-        return False
-    if getattr(load, MARK, False):
-        return True
+    def wrap(load: Callable[..., Any]) -> Callable[..., Any]:
+        def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = load(self, *args, **kwargs)
+            try:
+                if allocate(self, is_first_stage):
+                    log.debug("edge-cpu: pipeline stage buffers allocated for %s tokens", self.max_num_tokens)
+            except Exception as exc:  # noqa: BLE001 - a changed vLLM must never stop the engine from starting
+                log.debug("edge-cpu: pipeline stage buffers not allocated: %s", exc)
+            return out
 
-    @functools.wraps(load)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = load(self, *args, **kwargs)
-        try:
-            if allocate(self, is_first_stage):
-                log.debug("edge-cpu: pipeline stage buffers allocated for %s tokens", self.max_num_tokens)
-        except Exception as exc:  # noqa: BLE001 - a changed vLLM must never stop the engine from starting
-            log.debug("edge-cpu: pipeline stage buffers not allocated: %s", exc)
-        return out
+        return load_model
 
-    setattr(load_model, MARK, True)
-    runner.load_model = load_model  # type: ignore[union-attr]
-    return True
+    return wrap_once(getattr(module, RUNNER_CLASS, None), "load_model", MARK, wrap)
 
 
 def allocate_stage_buffers() -> None:
